@@ -1,0 +1,62 @@
+"""Addressing (top-R): channel voting over native query features (paper Eq. 5, App. B.3).
+
+s_i^{l,h} = max_tau cos(u_tau^{l,h}, rho_i^{l,h}); each channel votes for its argmax note;
+top-R notes by votes, ties to the earlier-inserted note; replay in document order.
+Both sides arrive as BF16 and are cast to FP32 and L2-normalised before matching.
+
+Choice where the paper is silent: a note that receives no vote is never retrieved ("up to R").
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nbcore.notebank.features import l2_normalize
+
+
+def native_votes_naive(u: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor:
+    """Reference Eq. 5 with explicit loops. u: [Q, J, d_rho]; addresses: [N, J, d_rho] -> votes [N]."""
+    Q, J, _ = u.shape
+    N = addresses.shape[0]
+    votes = torch.zeros(N, dtype=torch.int64)
+    for j in range(J):
+        best_i, best_s = 0, -float("inf")
+        for i in range(N):
+            a = addresses[i, j].float()
+            a = a / a.norm().clamp_min(1e-12)
+            s = max(float((u[t, j].float() / u[t, j].float().norm().clamp_min(1e-12)) @ a) for t in range(Q))
+            if s > best_s:                              # strict: ties stay with the earlier note
+                best_i, best_s = i, s
+        votes[best_i] += 1
+    return votes
+
+
+def channel_scores(u: torch.Tensor, addresses: torch.Tensor, note_block: int = 8192) -> torch.Tensor:
+    """s: [J, N] = max over question tokens of cosine similarity, computed in note blocks.
+
+    u: [Q, J, d_rho]; addresses: [N, J, d_rho] (bf16 or fp32)."""
+    uh = l2_normalize(u.float()).permute(1, 2, 0).contiguous()             # [J, d, Q]
+    N = addresses.shape[0]
+    out = torch.empty(uh.shape[0], N, dtype=torch.float32)
+    for n0 in range(0, N, note_block):
+        a = l2_normalize(addresses[n0:n0 + note_block].float()).transpose(0, 1)  # [J, n, d]
+        out[:, n0:n0 + note_block] = torch.bmm(a, uh).amax(dim=2)           # [J, n]
+    return out
+
+
+def native_votes(u: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor:
+    """Vectorised Eq. 5 -> votes [N] (int64)."""
+    N = addresses.shape[0]
+    if N == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    winners = channel_scores(u, addresses).argmax(dim=1)                    # [J], first max on ties
+    return torch.bincount(winners, minlength=N)
+
+
+def top_r(scores: torch.Tensor | np.ndarray, r: int, starts: np.ndarray) -> list[int]:
+    """Up to R notes with the highest score (> 0), ties to the earlier-inserted note;
+    returned in document order (by start position, then insertion)."""
+    s = np.asarray(scores.cpu().numpy() if isinstance(scores, torch.Tensor) else scores, dtype=np.float64)
+    order = np.lexsort((np.arange(len(s)), -s))          # by -score, then insertion index
+    chosen = [int(i) for i in order[:r] if s[i] > 0]
+    return sorted(chosen, key=lambda i: (int(starts[i]), i))

@@ -1,0 +1,205 @@
+"""Write (top-W): span selection and address assignment (paper Sec. 3.2, Eqs. 3-4, App. B.2-B.3).
+
+Rules implemented exactly as App. B.2 states them; where it is silent we chose (and test):
+- Candidate region of chunk c = last `tail` tokens of chunk c-1 (scores and query features kept
+  from their own chunk) + the C tokens of chunk c. Sentences are clipped to the region: a note
+  never contains a token without a retained score/query feature.
+- Window: highest sum of d_t over `window` consecutive region tokens; ties -> earliest start.
+  A region shorter than the window is one window covering it.
+- Central token of a window [s, e): s + (e - s - 1) // 2 (the left-middle token for even sizes).
+- Span: the sentence holding the central token, expanded by whole adjacent sentences, left first
+  then right, while the span stays <= B tokens; repeated until neither side fits.
+- Over-long sentence (> B): the B tokens starting at the window start, shifted to stay inside it.
+- Second note (W=2): every sentence overlapping note 1 is excluded (the whole sentence, also when
+  note 1 holds only part of it); the best window over the <= 2 remaining sub-regions (each treated
+  as a region) seeds note 2, whose expansion stays inside its sub-region. No candidate -> 1 note.
+- Address (Eq. 4): per channel, the note position with the highest per-channel distinctiveness
+  (ties -> earliest), its compacted query stored in BF16, unnormalised.
+- The final incomplete chunk writes nothing; a context shorter than C leaves the archive empty.
+- Numerical ties: window sums and per-channel scores are compared on a 1e-5 grid before taking
+  the first maximum, so float noise from a different kernel blocking (C-token streaming vs large
+  blocks) cannot flip a choice between windows whose scores differ by less than that (repetitive
+  haystacks produce many such near-ties).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nbcore.config import NoteBankConfig
+from nbcore.notebank.archive import Archive
+
+
+TIE_GRID = 1e-5
+
+
+def _snap(x):
+    """Round scores to the tie grid (see module docstring)."""
+    if isinstance(x, torch.Tensor):
+        return torch.round(x / TIE_GRID)
+    return np.round(np.asarray(x, dtype=np.float64) / TIE_GRID)
+
+
+def best_window(scores: np.ndarray, lo: int, hi: int, window: int) -> tuple[int, int, float]:
+    """Highest-scoring window inside [lo, hi) -> (start, end, score); ties to the earliest."""
+    if hi - lo <= window:
+        return lo, hi, float(scores[lo:hi].sum())
+    c = np.concatenate([[0.0], np.cumsum(scores[lo:hi], dtype=np.float64)])
+    sums = c[window:] - c[:-window]                        # [hi-lo-window+1]
+    i = int(np.argmax(_snap(sums)))                        # first maximum
+    return lo + i, lo + i + window, float(sums[i])
+
+
+def _sentence_bounds(sent: np.ndarray, t: int, lo: int, hi: int) -> tuple[int, int]:
+    """[start, end) of the sentence containing t, clipped to [lo, hi). sent: ids, non-decreasing."""
+    sid = sent[t]
+    s = lo + int(np.searchsorted(sent[lo:hi], sid, side="left"))
+    e = lo + int(np.searchsorted(sent[lo:hi], sid, side="right"))
+    return s, e
+
+
+def span_from_window(sent: np.ndarray, ws: int, we: int, lo: int, hi: int, B: int) -> tuple[int, int, int, int]:
+    """Note span seeded by window [ws, we) inside the region [lo, hi).
+
+    -> (span_start, span_end, excl_start, excl_end): the excluded range covers every sentence
+    overlapping the span (== the span unless the seed sentence was cut to B tokens)."""
+    center = ws + (we - ws - 1) // 2
+    ss, se = _sentence_bounds(sent, center, lo, hi)
+    if se - ss > B:
+        start = min(max(ws, ss), se - B)
+        return start, start + B, ss, se
+    while True:
+        grown = False
+        if ss > lo:
+            ls, _ = _sentence_bounds(sent, ss - 1, lo, hi)
+            if se - ls <= B:
+                ss, grown = ls, True
+        if se < hi:
+            _, re_ = _sentence_bounds(sent, se, lo, hi)
+            if re_ - ss <= B:
+                se, grown = re_, True
+        if not grown:
+            return ss, se, ss, se
+
+
+def select_spans(scores: np.ndarray, sent: np.ndarray, W: int, B: int, window: int) -> list[tuple[int, int]]:
+    """Top-W span selection in one candidate region (App. B.2).
+
+    scores: [L] channel-averaged distinctiveness d_t of the region's tokens; sent: [L] sentence ids.
+    -> list of up to W non-overlapping (start, end) spans, region coordinates, in selection order."""
+    L = len(scores)
+    if L == 0:
+        return []
+    ws, we, _ = best_window(scores, 0, L, window)
+    s1, e1, xs, xe = span_from_window(sent, ws, we, 0, L, B)
+    spans = [(s1, e1)]
+    if W >= 2:
+        cands = []
+        for lo, hi in ((0, xs), (xe, L)):
+            if hi > lo:
+                cands.append((*best_window(scores, lo, hi, window), lo, hi))
+        if cands:
+            # highest score; ties -> earlier window (left sub-region comes first)
+            ws2, we2, _, lo, hi = max(cands, key=lambda c: (float(_snap(c[2])), -c[0]))
+            s2, e2, _, _ = span_from_window(sent, ws2, we2, lo, hi, B)
+            spans.append((s2, e2))
+    return spans
+
+
+def assign_addresses(dist: torch.Tensor, qc: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Eq. 4: per channel, the compacted query at argmax_t d_t^{l,h} over the note.
+
+    dist: [L, J] per-channel distinctiveness of the region; qc: [L, J, d_rho] compacted queries.
+    -> [J, d_rho] bf16."""
+    t_star = torch.argmax(_snap(dist[start:end].double()), dim=0) + start   # [J] (first max on ties)
+    J = dist.shape[1]
+    return qc[t_star, torch.arange(J)].to(torch.bfloat16)
+
+
+@dataclass
+class _Tail:
+    dist: torch.Tensor       # [tail, J]
+    qc: torch.Tensor         # [tail, J, d_rho]
+
+
+class ArchiveWriter:
+    """Streaming writer: feed per-token features in document order (any block size that keeps
+    chunk alignment); notes are written each time a C-token chunk completes."""
+
+    def __init__(self, cfg: NoteBankConfig, ids: np.ndarray, sent: np.ndarray, n_channels: int,
+                 model_fingerprint: str):
+        self.cfg = cfg.validate()
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.sent = np.asarray(sent, dtype=np.int64)
+        if self.ids.shape != self.sent.shape:
+            raise ValueError("ids and sentence ids must have the same length")
+        self.J = n_channels
+        self.fp = model_fingerprint
+        self.pos = 0                                  # tokens consumed
+        self._buf_dist: list[torch.Tensor] = []       # pending features of the current chunk
+        self._buf_qc: list[torch.Tensor] = []
+        self._buf_n = 0
+        self._tail: _Tail | None = None
+        self._n_chunks = 0                            # completed chunks
+        self.token_ids: list[np.ndarray] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.chunks: list[int] = []
+        self.addresses: list[torch.Tensor] = []
+
+    def feed(self, dist: torch.Tensor, qc: torch.Tensor) -> None:
+        """dist: [t, J] fp32, qc: [t, J, d_rho] for the next t tokens of the document."""
+        C = self.cfg.chunk_size
+        i = 0
+        t = dist.shape[0]
+        while i < t:
+            take = min(t - i, C - self._buf_n)
+            self._buf_dist.append(dist[i:i + take])
+            self._buf_qc.append(qc[i:i + take])
+            self._buf_n += take
+            i += take
+            if self._buf_n == C:
+                self._write_chunk(torch.cat(self._buf_dist), torch.cat(self._buf_qc))
+                self._buf_dist, self._buf_qc, self._buf_n = [], [], 0
+        self.pos += t
+
+    def _write_chunk(self, dist: torch.Tensor, qc: torch.Tensor) -> None:
+        cfg = self.cfg
+        C = cfg.chunk_size
+        c_idx = self._n_chunks
+        self._n_chunks += 1
+        chunk_start = c_idx * C
+        if self._tail is not None:
+            r_dist = torch.cat([self._tail.dist, dist])
+            r_qc = torch.cat([self._tail.qc, qc])
+        else:
+            r_dist, r_qc = dist, qc
+        region_start = chunk_start - (r_dist.shape[0] - C)
+        region_end = chunk_start + C
+        scores = r_dist.mean(dim=1).double().numpy()            # d_t, Eq. 3 (channel average)
+        sent = self.sent[region_start:region_end]
+        for s, e in select_spans(scores, sent, cfg.write_budget, cfg.note_budget, cfg.window):
+            self.token_ids.append(self.ids[region_start + s:region_start + e].astype(np.int32))
+            self.starts.append(region_start + s)
+            self.ends.append(region_start + e)
+            self.chunks.append(c_idx)
+            self.addresses.append(assign_addresses(r_dist, r_qc, s, e))
+        if cfg.tail:
+            self._tail = _Tail(dist[C - cfg.tail:].clone(), qc[C - cfg.tail:].clone())
+
+    def finish(self, n_tokens: int | None = None) -> Archive:
+        """Close the archive. Pending tokens of an incomplete final chunk write nothing."""
+        n = len(self.token_ids)
+        addr = torch.stack(self.addresses) if n else torch.zeros(0, self.J, self.cfg.addr_dim, dtype=torch.bfloat16)
+        return Archive(
+            token_ids=self.token_ids,
+            starts=np.asarray(self.starts, np.int64),
+            ends=np.asarray(self.ends, np.int64),
+            chunk_index=np.asarray(self.chunks, np.int64),
+            addresses=addr.contiguous(),
+            config=self.cfg,
+            model_fingerprint=self.fp,
+            n_tokens=int(self.pos if n_tokens is None else n_tokens),
+        )

@@ -1,0 +1,176 @@
+"""Write (Eqs. 3-4, 8-9; App. B.2-B.3) on hand-checkable inputs, and fast == naive."""
+import numpy as np
+import pytest
+import torch
+
+from nbcore.config import NoteBankConfig
+from nbcore.notebank.features import (ChunkReducer, chunk_distinctiveness, compact, projection_coords,
+                                      reference_features)
+from nbcore.notebank.write import ArchiveWriter, assign_addresses, best_window, select_spans, span_from_window
+
+
+# ---- Eq. 3 / 8 ------------------------------------------------------------------------------
+def test_distinctiveness_marks_the_odd_key():
+    # 8 tokens, 1 channel: every key points along e0 except token 5 (along e1).
+    k = torch.zeros(8, 1, 4)
+    k[:, 0, 0] = torch.arange(1, 9).float()        # magnitude must not matter (k is normalised)
+    k[5, 0] = torch.tensor([0.0, 3.0, 0, 0])
+    d = chunk_distinctiveness(k, chunk_size=8)
+    assert int(d[:, 0].argmax()) == 5
+    # mu = normalize(7 e0 + e1) -> d = 1 - 7/sqrt(50) for e0 tokens, 1 - 1/sqrt(50) for token 5
+    assert torch.allclose(d[0, 0], torch.tensor(1 - 7 / 50 ** 0.5), atol=1e-6)
+    assert torch.allclose(d[5, 0], torch.tensor(1 - 1 / 50 ** 0.5), atol=1e-6)
+
+
+@pytest.mark.parametrize("T,C", [(63, 16), (64, 16), (100, 512)], ids=lambda v: str(v))
+def test_distinctiveness_fast_equals_reference(T, C):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(T, 6, 8, generator=g), torch.randn(T, 6, 8, generator=g)
+    coords = projection_coords(6, 8, 4, seed=1)
+    d_ref, qc_ref = reference_features(q, k, coords, C)
+    red = ChunkReducer(coords, heads_per_layer=3, chunk_size=C)
+    red.on_layer(0, q[:, :3], k[:, :3])
+    red.on_layer(1, q[:, 3:], k[:, 3:])
+    d, qc = red.result()
+    assert torch.allclose(d, d_ref, atol=1e-6)
+    assert torch.equal(qc, qc_ref)
+
+
+def test_reducer_split_calls_equal_one_call():
+    # Two forward calls of 32 + 32 tokens (chunk-aligned) == one call of 64.
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
+    coords = projection_coords(2, 8, 4, seed=0)
+    one = ChunkReducer(coords, 2, 16)
+    one.on_layer(0, q, k)
+    a, b = ChunkReducer(coords, 2, 16, offset=0), ChunkReducer(coords, 2, 16, offset=32)
+    a.on_layer(0, q[:32], k[:32])
+    b.on_layer(0, q[32:], k[32:])
+    assert torch.equal(one.result()[0], torch.cat([a.result()[0], b.result()[0]]))
+    with pytest.raises(ValueError, match="chunk boundary"):
+        chunk_distinctiveness(k, 16, offset=8)
+
+
+# ---- Eq. 9 ----------------------------------------------------------------------------------
+def test_projection_is_seeded_distinct_and_selects_coordinates():
+    P = projection_coords(5, 32, 16, seed=3)
+    assert P.shape == (5, 16)
+    assert all(len(set(row.tolist())) == 16 for row in P)
+    assert torch.equal(P, projection_coords(5, 32, 16, seed=3))
+    assert not torch.equal(P, projection_coords(5, 32, 16, seed=4))
+    q = torch.arange(2 * 5 * 32).float().reshape(2, 5, 32)
+    out = compact(q, P)
+    assert out[1, 2, 7] == q[1, 2, P[2, 7]]
+    with pytest.raises(ValueError, match="cannot exceed"):
+        projection_coords(2, 8, 16, seed=0)
+
+
+# ---- windows and spans ------------------------------------------------------------------------
+def test_best_window_ties_go_to_earliest_and_short_region_is_one_window():
+    s = np.array([0, 1, 1, 0, 1, 1, 0], float)
+    assert best_window(s, 0, 7, 2) == (1, 3, 2.0)
+    assert best_window(s, 2, 4, 5) == (2, 4, 1.0)
+
+
+def _sent(lengths):
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def test_span_expands_left_then_right_within_budget():
+    sent = _sent([5, 5, 5, 5, 5])                  # sentences [0,5) [5,10) [10,15) [15,20) [20,25)
+    # window centred in sentence 2; B=15 -> add left (sentence 1), then right (sentence 3)
+    assert span_from_window(sent, 10, 15, 0, 25, B=15)[:2] == (5, 20)
+    # B=10 -> only the left neighbour fits first, then nothing
+    assert span_from_window(sent, 10, 15, 0, 25, B=10)[:2] == (5, 15)
+    # expansion stays inside the region
+    assert span_from_window(sent, 10, 15, 8, 17, B=25)[:2] == (8, 17)
+
+
+def test_overlong_sentence_takes_B_tokens_from_window_start_inside_sentence():
+    sent = _sent([3, 40, 3])                       # long sentence [3, 43)
+    s, e, xs, xe = span_from_window(sent, 10, 20, 0, 46, B=8)
+    assert (s, e, xs, xe) == (10, 18, 3, 43)
+    s, e, _, _ = span_from_window(sent, 38, 46, 0, 46, B=8)   # would spill past the sentence end
+    assert (s, e) == (35, 43)
+
+
+def test_two_notes_never_overlap_and_exclude_whole_sentences():
+    sent = _sent([10, 10, 10, 10])
+    scores = np.zeros(40)
+    scores[12:16] = 5.0                            # best window in sentence 1
+    scores[31:33] = 1.0                            # second best in sentence 3
+    spans = select_spans(scores, sent, W=2, B=10, window=4)
+    assert spans == [(10, 20), (30, 40)]
+    # partial note of an over-long sentence excludes the whole sentence
+    sent = _sent([30, 10])
+    scores = np.zeros(40)
+    scores[5:9] = 5.0
+    scores[20:24] = 4.0                            # same long sentence: excluded
+    scores[34:36] = 1.0
+    spans = select_spans(scores, sent, W=2, B=8, window=4)
+    assert spans[0] == (5, 13) and spans[1] == (32, 40)   # window [32,36): B tokens from its start, clamped
+
+
+def test_no_candidate_left_writes_one_note():
+    sent = np.zeros(20, np.int64)                  # one sentence covering the region
+    assert len(select_spans(np.ones(20), sent, W=2, B=64, window=4)) == 1
+
+
+def test_address_uses_per_channel_argmax_position():
+    dist = torch.tensor([[0.1, 0.9], [0.5, 0.2], [0.5, 0.1]])   # [L=3, J=2]
+    qc = torch.arange(3 * 2 * 2).float().reshape(3, 2, 2)
+    a = assign_addresses(dist, qc, 0, 3)
+    assert torch.equal(a.float(), torch.stack([qc[1, 0], qc[0, 1]]))   # channel 0: tie -> earlier (t=1)
+    assert a.dtype == torch.bfloat16
+
+
+# ---- the streaming writer ----------------------------------------------------------------------
+def _feed(cfg, T, J=3, seed=0, block=None, dist=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = np.arange(T)
+    sent = np.arange(T) // 7                       # 7-token sentences
+    dist = torch.rand(T, J, generator=g) if dist is None else dist
+    qc = torch.randn(T, J, cfg.addr_dim, generator=g).to(torch.bfloat16)
+    w = ArchiveWriter(cfg, ids, sent, J, "fp")
+    block = block or T
+    for b in range(0, T, block):
+        w.feed(dist[b:b + block], qc[b:b + block])
+    return w.finish(), dist, qc
+
+
+@pytest.mark.parametrize("T", [63, 64, 200, 511], ids=lambda t: f"T{t}")
+def test_note_count_bound_and_budget(T):
+    cfg = NoteBankConfig(chunk_size=64, write_budget=2, note_budget=16, window=8, tail=8, addr_dim=4)
+    arc, _, _ = _feed(cfg, T)
+    assert len(arc) <= 2 * (T // 64)
+    assert all(len(z) <= 16 for z in arc.token_ids)
+    assert all(e <= (c + 1) * 64 for e, c in zip(arc.ends, arc.chunk_index))   # nothing from the partial chunk
+    if T < 64:
+        assert len(arc) == 0
+
+
+def test_feed_block_size_does_not_change_archive():
+    cfg = NoteBankConfig(chunk_size=64, note_budget=16, window=8, tail=8, addr_dim=4)
+    a, _, _ = _feed(cfg, 300, block=300)
+    b, _, _ = _feed(cfg, 300, block=17)
+    assert np.array_equal(a.starts, b.starts) and torch.equal(a.addresses, b.addresses)
+
+
+def test_tail_keeps_original_scores_and_queries():
+    cfg = NoteBankConfig(chunk_size=64, write_budget=1, note_budget=4, window=4, tail=8, addr_dim=4)
+    dist = torch.zeros(128, 3)
+    dist[60:62] = 10.0                             # in chunk 0's last 8 tokens
+    dist[10:12] = 20.0                             # chunk 0's own best
+    arc, _, qc = _feed(cfg, 128, dist=dist)
+    # chunk 0 picks around 10; chunk 1's region = tokens 56..127 -> the tail (scored in chunk 0) wins
+    assert arc.chunk_index.tolist() == [0, 1]
+    assert 56 <= arc.starts[1] <= 60 < arc.ends[1]
+    t_star = 60                                    # first max of dist in the note, every channel
+    assert torch.equal(arc.addresses[1], qc[t_star].to(torch.bfloat16))
+
+
+def test_writer_rejects_bad_config():
+    for bad in (dict(chunk_size=0), dict(note_budget=-1), dict(write_budget=3), dict(window=0),
+                dict(tail=512), dict(addr_dim=0)):
+        with pytest.raises(ValueError):
+            NoteBankConfig(**bad).validate()
