@@ -61,10 +61,10 @@ def needle_text(n_chars: int, n_needles: int = 4, seed: int = 0) -> tuple[str, l
     reps = max(1, n_chars // len(FILLER))
     units = [FILLER] * reps
     needles = []
-    for _ in range(n_needles):
-        key = f"{rng.choice(adjs)}-{rng.choice(nouns)}"
+    pairs = rng.sample([f"{a}-{n}" for a in adjs for n in nouns], n_needles)   # distinct keys
+    for key in pairs:
         val = str(rng.randint(1_000_000, 9_999_999))
         needles.append((key, val))
         pos = rng.randrange(len(units) + 1)
         units.insert(pos, f"One of the special magic numbers for {key} is: {val}. ")
-    return "".join(units)[:max(n_chars, 1)] if n_needles == 0 else "".join(units), needles
+    return "".join(units), needles

@@ -1,0 +1,28 @@
+# Quick start: `make run` (ingest + batch QA on embedded defaults) and `make test`.
+# Both create .venv on first use. The CPU torch wheel is pinned so pip never pulls CUDA builds
+# here; on a GPU cluster install the project with `pip install -e ".[gpu]"` instead.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv run test example smoke clean
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/pip install -q "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch, transformers, ray, pyarrow, peft, nbcore" && touch $@
+
+run: venv
+	$(PY) jobs/run_demo.py
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+example: venv
+	$(PY) examples/random_init_needles.py
+
+clean:
+	rm -rf $(VENV) out runs .pytest_cache
