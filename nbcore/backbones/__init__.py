@@ -36,13 +36,21 @@ def _unsupported(mt) -> str:
     return f"unsupported backbone model_type {mt!r}. Supported families: {fams}"
 
 
+def _import_fla():
+    try:
+        import fla  # noqa: F401  (registers the fla model classes with transformers)
+    except ImportError as e:
+        raise ImportError("gated_deltanet checkpoints (fla-gdn) need flash-linear-attention and a CUDA GPU: "
+                          "pip install -e '.[gpu]'") from e
+
+
 def model_from_config(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Random-init model for a transformers config (tests, speed benchmarks)."""
     from transformers import AutoModelForCausalLM
     if config.model_type not in SUPPORTED:
         raise ValueError(_unsupported(config.model_type))
     if config.model_type == "gated_deltanet":
-        import fla  # noqa: F401  (registers the fla model classes with transformers)
+        _import_fla()
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -69,7 +77,7 @@ def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtyp
         if mt not in SUPPORTED:
             raise ValueError(f"{path}: " + _unsupported(mt))
         if mt == "gated_deltanet":
-            import fla  # noqa: F401
+            _import_fla()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
         if tokenizer is None and (os.path.isfile(os.path.join(path, "tokenizer.json"))
                                   or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
