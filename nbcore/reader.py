@@ -178,10 +178,11 @@ def answer(bb: Backbone, state: BackboneState, archive: Archive, question, rc: R
         lam = 0.0
     if lam is not None and rc.method in ("notebank", "clean_start", "plain"):
         bb.reset_state(s, float(lam))
-    if len(replay):
-        bb.forward(s, replay, need_logits=False)
-    logits = bb.forward(s, q_ids)
-    toks, text = _generate(bb, s, logits, rc)
+    with bb.reading():                     # read adapters (if any) on: replay, question, answer
+        if len(replay):
+            bb.forward(s, replay, need_logits=False)
+        logits = bb.forward(s, q_ids)
+        toks, text = _generate(bb, s, logits, rc)
     timings["replay_generate_s"] = time.perf_counter() - t0
     return Answer(text, toks, retrieved, scores, int(len(replay)), int(len(q_ids)), timings)
 

@@ -12,6 +12,7 @@ channels ordered (recurrent layer, head/group) as the model stacks them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -70,6 +71,29 @@ class Backbone:
     rec_layers: list[int]
     heads_per_layer: int
     key_dim: int
+
+    # ---- read adapters (App. B.4) -----------------------------------------------------------
+    # Optional LoRA readers are OFF for context processing and retrieval and ON for replay,
+    # question processing and generation. `nbcore.lora` attaches them; `reading()` turns them on.
+    _read_mode: bool = False
+
+    @property
+    def has_adapter(self) -> bool:
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Adapters enabled inside this block (no-op without adapters)."""
+        prev, self._read_mode = self._read_mode, True
+        try:
+            yield
+        finally:
+            self._read_mode = prev
+
+    def _adapter_ctx(self):
+        if self.has_adapter and not self._read_mode:
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
 
     # ---- channels -------------------------------------------------------------------------
     @property

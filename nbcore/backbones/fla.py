@@ -131,7 +131,7 @@ class FlaGDNBackbone(Backbone):
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"ids must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
         ctx = _ConvTap(self._mixers, tap) if tap else contextlib.nullcontext()
-        with ctx:
+        with ctx, self._adapter_ctx():
             out = self.model(input_ids=ids.to(self.device)[None], past_key_values=state.cache,
                              use_cache=True, logits_to_keep=1)
         state.cache = out.past_key_values

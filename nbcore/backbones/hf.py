@@ -128,6 +128,11 @@ class HFBackbone(Backbone):
     def _find_mixers(self) -> list[torch.nn.Module]:
         raise NotImplementedError
 
+    def _base_model(self):
+        """The transformers model under an optional peft wrapper."""
+        m = self.model
+        return m.get_base_model() if hasattr(m, "get_base_model") else m
+
     # ---- state ----------------------------------------------------------------------------
     def new_state(self) -> BackboneState:
         return BackboneState(cache=CountingCache(config=self.model.config), n_tokens=0)
@@ -181,7 +186,7 @@ class HFBackbone(Backbone):
         if ids.numel() == 0:
             raise ValueError("forward over zero tokens")
         ctx = _KernelTap(self._module, self.kernel_wrappers, self._mixers, tap) if tap else contextlib.nullcontext()
-        with ctx:
+        with ctx, self._adapter_ctx():
             out = self.model(
                 input_ids=ids.to(self.device)[None],
                 cache=state.cache,
@@ -219,7 +224,7 @@ class GDNBackbone(HFBackbone):
         super().__init__(model, tokenizer)
 
     def _find_mixers(self):
-        layers = self.model.model.layers
+        layers = self._base_model().model.layers
         return [layers[i].linear_attn for i in self.rec_layers]
 
 
@@ -241,4 +246,4 @@ class Mamba2Backbone(HFBackbone):
         super().__init__(model, tokenizer)
 
     def _find_mixers(self):
-        return [blk.mixer for blk in self.model.backbone.layers]
+        return [blk.mixer for blk in self._base_model().backbone.layers]
