@@ -1,0 +1,442 @@
+"""LongBench v1 (12 English subsets) and LongBench v2: prompts, scoring, loaders, subsets.
+
+Reimplemented from THUDM/LongBench (commit 2e00731): ``LongBench/config/dataset2prompt.json``,
+``LongBench/config/dataset2maxlen.json``, ``LongBench/eval.py``, ``LongBench/pred.py`` (v1);
+``prompts/0shot.txt``, ``pred.py``, ``result.py`` (v2). Paper protocol (App. C.2): v1 uses 30 fixed
+examples per subset shared across methods, native task prompts without chat formatting, and the
+unweighted macro-average on 0-100; v2 keeps an example only when its complete prompt plus the
+reserved replay and generation budget fits the position budget (never truncated).
+
+Published data formats:
+
+* v1: ``data/{dataset}.jsonl`` from LongBench's ``data.zip`` (the HF dataset ``THUDM/LongBench``),
+  one JSON object per line with ``input``, ``context``, ``answers`` (list), ``length``, ``dataset``,
+  ``language``, ``all_classes`` (list or null) and ``_id``.
+* v2: ``data.json`` of ``THUDM/LongBench-v2``, a JSON array of objects with ``_id``, ``domain``,
+  ``sub_domain``, ``difficulty``, ``length``, ``question``, ``choice_A`` .. ``choice_D``, ``answer``
+  and ``context`` (JSONL with the same fields is accepted too).
+
+Paths may be local or fsspec URLs (``memory://``, ``s3://``, ...).
+"""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from nbcore.evals.metrics import (
+    choice_accuracy,
+    classification_score,
+    extract_choice,
+    first_line,
+    max_over_references,
+    qa_f1_score,
+    rouge_score,
+)
+
+__all__ = [
+    "V1_DATASETS",
+    "DATASET2PROMPT",
+    "DATASET2MAXLEN",
+    "DATASET2METRIC",
+    "FIRST_LINE_DATASETS",
+    "CATEGORIES",
+    "V1_FIELDS",
+    "V2_FIELDS",
+    "V2_PROMPT_0SHOT",
+    "V2_PAPER_DOMAINS",
+    "V2_PAPER_SUB_DOMAINS",
+    "build_prompt",
+    "max_new_tokens",
+    "score_prediction",
+    "dataset_score",
+    "aggregate_scores",
+    "select_subset",
+    "load_longbench",
+    "build_prompt_v2",
+    "parse_choice",
+    "v2_accuracy",
+    "fits_in_budget",
+    "filter_fits",
+    "select_v2",
+    "load_longbench_v2",
+]
+
+# ----------------------------------------------------------------------------- v1 configuration
+
+V1_DATASETS: tuple[str, ...] = (
+    "narrativeqa", "qasper", "multifieldqa_en",
+    "hotpotqa", "2wikimqa", "musique",
+    "gov_report", "qmsum", "multi_news",
+    "trec", "triviaqa", "samsum",
+)
+
+_MULTI_DOC = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+    "\n\nThe following are given passages.\n{context}\n\n"
+    "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+    "\n\nQuestion: {input}\nAnswer:"
+)
+_QASPER_RULE = (
+    "as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered "
+    "based on the information in the article, write \"unanswerable\". If the question is a yes/no question, "
+    "answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation."
+)
+
+#: Official ``LongBench/config/dataset2prompt.json`` entries, byte for byte. (The official
+#: narrativeqa prompt really reads "asconcisely"; it is kept, as the released prompts are.)
+DATASET2PROMPT: dict[str, str] = {
+    "narrativeqa": (
+        "You are given a story, which can be either a novel or a movie script, and a question. Answer the question "
+        "asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\n"
+        "Story: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single "
+        "phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:"
+    ),
+    "qasper": (
+        "You are given a scientific article and a question. Answer the question " + _QASPER_RULE
+        + "\n\nArticle: {context}\n\n Answer the question based on the above article " + _QASPER_RULE
+        + "\n\nQuestion: {input}\n\nAnswer:"
+    ),
+    "multifieldqa_en": (
+        "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on "
+        "the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:"
+    ),
+    "hotpotqa": _MULTI_DOC,
+    "2wikimqa": _MULTI_DOC,
+    "musique": _MULTI_DOC,
+    "gov_report": (
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
+        "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+    ),
+    "qmsum": (
+        "You are given a meeting transcript and a query containing a question or instruction. Answer the query in "
+        "one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting "
+        "transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"
+    ),
+    "multi_news": (
+        "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
+        "Now, write a one-page summary of all the news.\n\nSummary:"
+    ),
+    "trec": (
+        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}"
+    ),
+    "triviaqa": (
+        "Answer the question based on the given passage. Only give me the answer and do not output any other words. "
+        "The following are some examples.\n\n{context}\n\n{input}"
+    ),
+    "samsum": (
+        "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}"
+    ),
+}
+
+#: Official ``LongBench/config/dataset2maxlen.json`` (max new tokens).
+DATASET2MAXLEN: dict[str, int] = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64,
+    "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512,
+    "trec": 64, "triviaqa": 32, "samsum": 128,
+}
+
+_METRICS: dict[str, Callable[..., float]] = {"qa_f1": qa_f1_score, "rouge": rouge_score,
+                                             "classification": classification_score}
+
+#: Official ``dataset2metric`` of ``LongBench/eval.py`` (by name; see :data:`_METRICS`).
+DATASET2METRIC: dict[str, str] = {
+    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1",
+    "hotpotqa": "qa_f1", "2wikimqa": "qa_f1", "musique": "qa_f1",
+    "gov_report": "rouge", "qmsum": "rouge", "multi_news": "rouge",
+    "trec": "classification", "triviaqa": "qa_f1", "samsum": "rouge",
+}
+
+#: Datasets whose prediction is cut to its first line before scoring (``eval.py``).
+FIRST_LINE_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
+
+#: LongBench task categories used for the paper's macro-averages (Table 5).
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "single_doc_qa": ("narrativeqa", "qasper", "multifieldqa_en"),
+    "multi_doc_qa": ("hotpotqa", "2wikimqa", "musique"),
+    "summarization": ("gov_report", "qmsum", "multi_news"),
+    "few_shot": ("trec", "triviaqa", "samsum"),
+}
+
+V1_FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
+V2_FIELDS = ("_id", "domain", "sub_domain", "difficulty", "length", "question",
+             "choice_A", "choice_B", "choice_C", "choice_D", "answer", "context")
+
+
+def _check_dataset(dataset: str) -> None:
+    if dataset not in DATASET2PROMPT:
+        raise KeyError(f"unknown LongBench v1 dataset {dataset!r}; expected one of {V1_DATASETS}")
+
+
+def build_prompt(dataset: str, example: Mapping[str, Any]) -> str:
+    """The native task prompt: ``dataset2prompt[dataset].format(**example)`` (no chat template)."""
+    _check_dataset(dataset)
+    return DATASET2PROMPT[dataset].format(**example)
+
+
+def max_new_tokens(dataset: str) -> int:
+    """Official generation budget for ``dataset`` (``dataset2maxlen.json``)."""
+    _check_dataset(dataset)
+    return DATASET2MAXLEN[dataset]
+
+
+def score_prediction(
+    dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
+) -> float:
+    """Score of one prediction in [0, 1], as ``eval.py``'s ``scorer`` does per example.
+
+    First-line cut for trec/triviaqa/samsum, then the dataset's metric maximised over ``answers``.
+    """
+    _check_dataset(dataset)
+    if dataset in FIRST_LINE_DATASETS:
+        prediction = first_line(prediction)
+    metric = _METRICS[DATASET2METRIC[dataset]]
+    if metric is classification_score:
+        if not all_classes:
+            raise ValueError(f"{dataset}: classification_score needs all_classes")
+        return max_over_references(metric, prediction, answers, all_classes=all_classes)
+    return max_over_references(metric, prediction, answers)
+
+
+def dataset_score(
+    dataset: str,
+    predictions: Sequence[str],
+    answers: Sequence[Sequence[str]],
+    all_classes: Sequence[str] | None = None,
+) -> float:
+    """Dataset score on 0-100, rounded to 2 decimals like ``eval.py`` (``round(100 * mean, 2)``)."""
+    if len(predictions) != len(answers):
+        raise ValueError(f"{dataset}: {len(predictions)} predictions vs {len(answers)} answer lists")
+    if not predictions:
+        raise ValueError(f"{dataset}: no predictions to score")
+    total = sum(score_prediction(dataset, p, a, all_classes) for p, a in zip(predictions, answers))
+    return round(100 * total / len(predictions), 2)
+
+
+def aggregate_scores(scores: Mapping[str, float], *, ndigits: int | None = 2) -> dict[str, float]:
+    """Category macro-averages and the overall macro-average over evaluated tasks (paper Table 5).
+
+    ``scores`` maps dataset -> 0-100 score (e.g. :func:`dataset_score`). A category is reported
+    when at least one of its datasets is present (mean over the present ones); ``overall`` is the
+    unweighted mean over all present datasets, which equals the mean of the four categories when
+    every category is complete (3 tasks each).
+    """
+    unknown = set(scores) - set(DATASET2METRIC)
+    if unknown:
+        raise KeyError(f"unknown LongBench v1 datasets {sorted(unknown)}")
+    if not scores:
+        raise ValueError("aggregate_scores needs at least one dataset score")
+
+    def r(x: float) -> float:
+        return round(x, ndigits) if ndigits is not None else x
+
+    out: dict[str, float] = {}
+    for cat, names in CATEGORIES.items():
+        present = [scores[n] for n in names if n in scores]
+        if present:
+            out[cat] = r(sum(present) / len(present))
+    out["overall"] = r(sum(scores.values()) / len(scores))
+    return out
+
+
+def select_subset(examples: Sequence[Any], n: int, seed: int = 0) -> list[Any]:
+    """A fixed subset of ``n`` examples chosen by ``seed`` (paper: 30 per v1 subset).
+
+    ``random.Random(seed).sample(range(len(examples)), n)``, returned in original file order; all
+    examples when ``n >= len(examples)``. Deterministic for a given file order, seed and ``n``.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if n >= len(examples):
+        return list(examples)
+    idx = sorted(random.Random(seed).sample(range(len(examples)), n))
+    return [examples[i] for i in idx]
+
+
+# ----------------------------------------------------------------------------- I/O helpers
+
+
+def _is_url(path: str) -> bool:
+    return "://" in str(path)
+
+
+def _exists(path: str) -> bool:
+    if _is_url(path):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        return fs.exists(p)
+    import os
+
+    return os.path.exists(path)
+
+
+def _isdir(path: str) -> bool:
+    if _is_url(path):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        return fs.isdir(p)
+    import os
+
+    return os.path.isdir(path)
+
+
+def _read_text(path: str) -> str:
+    if _is_url(path):
+        import fsspec
+
+        with fsspec.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([str(base).rstrip("/"), *parts])
+
+
+def _parse_records(path: str, text: str, fmt_hint: str) -> list[dict]:
+    """JSON array, or JSONL (one object per line); errors name the file and the expected format."""
+    stripped = text.lstrip()
+    try:
+        if stripped.startswith("["):
+            rows = json.loads(stripped)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON/JSONL ({e}); expected {fmt_hint}") from e
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every record must be a JSON object; expected {fmt_hint}")
+    return rows
+
+
+def _check_fields(path: str, rows: list[dict], fields: Iterable[str], fmt_hint: str) -> None:
+    for i, row in enumerate(rows):
+        missing = [k for k in fields if k not in row]
+        if missing:
+            raise ValueError(f"{path}: record {i} lacks fields {missing}; expected {fmt_hint}")
+
+
+_V1_FORMAT = ("LongBench v1 JSONL (data/{dataset}.jsonl from THUDM/LongBench data.zip): one JSON object per "
+              "line with fields " + ", ".join(V1_FIELDS))
+_V2_FORMAT = ("LongBench v2 data.json (THUDM/LongBench-v2): a JSON array (or JSONL) of objects with fields "
+              + ", ".join(V2_FIELDS))
+
+
+def load_longbench(source: str, dataset: str) -> list[dict]:
+    """Load one LongBench v1 subset in its published JSONL format.
+
+    ``source`` is either the ``.jsonl`` file itself or a directory (local or fsspec URL) holding
+    ``{dataset}.jsonl`` or ``data/{dataset}.jsonl``. Raises ``FileNotFoundError`` naming the paths
+    tried and the expected format; ``ValueError`` for malformed records.
+    """
+    _check_dataset(dataset)
+    src = str(source)
+    if src.endswith((".jsonl", ".json")):
+        candidates = [src]
+    else:
+        candidates = [_join(src, f"{dataset}.jsonl"), _join(src, "data", f"{dataset}.jsonl")]
+    for path in candidates:
+        if _exists(path) and not _isdir(path):
+            rows = _parse_records(path, _read_text(path), _V1_FORMAT)
+            _check_fields(path, rows, ("input", "context", "answers"), _V1_FORMAT)
+            for r in rows:
+                if not isinstance(r["answers"], list):
+                    raise ValueError(f"{path}: 'answers' must be a list of strings; expected {_V1_FORMAT}")
+            return rows
+    raise FileNotFoundError(f"LongBench v1 subset {dataset!r} not found: tried {candidates}; expected {_V1_FORMAT}")
+
+
+# ----------------------------------------------------------------------------- LongBench v2
+
+#: ``prompts/0shot.txt`` of THUDM/LongBench (v2), byte for byte (no trailing newline).
+V2_PROMPT_0SHOT = (
+    "Please read the following text and answer the question below.\n\n<text>\n$DOC$\n</text>\n\n"
+    "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
+    "Format your response as follows: \"The correct answer is (insert answer here)\"."
+)
+
+#: The paper's v2 subset (App. C.2): these domains, plus the "User guide QA" sub-domain.
+V2_PAPER_DOMAINS = ("Single-Document QA", "Multi-Document QA", "Long-dialogue History Understanding")
+V2_PAPER_SUB_DOMAINS = ("User guide QA",)
+
+
+def build_prompt_v2(example: Mapping[str, Any]) -> str:
+    """Official 0-shot prompt: placeholders replaced in order ($DOC$, $Q$, $C_A$..$C_D$) by stripped fields."""
+    prompt = V2_PROMPT_0SHOT
+    for ph, key in (("$DOC$", "context"), ("$Q$", "question"), ("$C_A$", "choice_A"), ("$C_B$", "choice_B"),
+                    ("$C_C$", "choice_C"), ("$C_D$", "choice_D")):
+        prompt = prompt.replace(ph, str(example[key]).strip())
+    return prompt
+
+
+def parse_choice(response: str) -> str | None:
+    """Official v2 parser: "The correct answer is (X)", else "The correct answer is X", else None."""
+    return extract_choice(response)
+
+
+def v2_accuracy(responses: Sequence[str], answers: Sequence[str], *, compensated: bool = False) -> float:
+    """Accuracy (0-100) of raw model responses against gold letters (unparsed responses are wrong)."""
+    return choice_accuracy([parse_choice(r) for r in responses], answers, compensated=compensated)
+
+
+def fits_in_budget(prompt_tokens: int, *, position_budget: int, replay_reserve: int, max_new_tokens: int) -> bool:
+    """Keep an example iff ``prompt_tokens + replay_reserve + max_new_tokens <= position_budget``."""
+    for k, v in (("prompt_tokens", prompt_tokens), ("replay_reserve", replay_reserve),
+                 ("max_new_tokens", max_new_tokens), ("position_budget", position_budget)):
+        if v < 0:
+            raise ValueError(f"{k} must be >= 0, got {v}")
+    return prompt_tokens + replay_reserve + max_new_tokens <= position_budget
+
+
+def filter_fits(
+    examples: Iterable[Mapping[str, Any]],
+    count_tokens: Callable[[str], int],
+    *,
+    position_budget: int,
+    replay_reserve: int,
+    max_new_tokens: int,
+    prompt_fn: Callable[[Mapping[str, Any]], str] = build_prompt_v2,
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """Split examples into (kept, dropped) by :func:`fits_in_budget`; prompts are never truncated.
+
+    ``count_tokens`` receives the complete prompt from ``prompt_fn`` and must count it exactly as
+    it will be fed (apply the chat template inside it when one is used).
+    """
+    kept, dropped = [], []
+    for ex in examples:
+        n = int(count_tokens(prompt_fn(ex)))
+        ok = fits_in_budget(n, position_budget=position_budget, replay_reserve=replay_reserve,
+                            max_new_tokens=max_new_tokens)
+        (kept if ok else dropped).append(ex)
+    return kept, dropped
+
+
+def select_v2(
+    examples: Iterable[Mapping[str, Any]],
+    domains: Sequence[str] = V2_PAPER_DOMAINS,
+    sub_domains: Sequence[str] = V2_PAPER_SUB_DOMAINS,
+) -> list[Mapping[str, Any]]:
+    """Examples whose ``domain`` is in ``domains`` or whose ``sub_domain`` is in ``sub_domains``."""
+    d, s = set(domains), set(sub_domains)
+    return [ex for ex in examples if ex.get("domain") in d or ex.get("sub_domain") in s]
+
+
+def load_longbench_v2(source: str) -> list[dict]:
+    """Load LongBench v2 in its published format.
+
+    ``source`` is ``data.json`` (JSON array) / a ``.jsonl`` file, or a directory (local or fsspec
+    URL) holding ``data.json``. Raises ``FileNotFoundError`` naming the path and expected format.
+    """
+    src = str(source)
+    path = src if src.endswith((".json", ".jsonl")) else _join(src, "data.json")
+    if not _exists(path) or _isdir(path):
+        raise FileNotFoundError(f"LongBench v2 data not found: {path}; expected {_V2_FORMAT}")
+    rows = _parse_records(path, _read_text(path), _V2_FORMAT)
+    _check_fields(path, rows, V2_FIELDS, _V2_FORMAT)
+    for i, r in enumerate(rows):
+        if r["answer"] not in ("A", "B", "C", "D"):
+            raise ValueError(f"{path}: record {i} has answer {r['answer']!r}, expected one of A-D")
+    return rows
