@@ -31,6 +31,17 @@ class Archive:
     model_fingerprint: str
     n_tokens: int = 0
 
+    def routing_keys(self) -> torch.Tensor:
+        """Addresses cast to FP32, L2-normalised and laid out [J, N, d_rho] for matching (App. B.3).
+        Computed once per archive and cached: a document's archive serves many questions."""
+        cache = self.__dict__.get("_routing_keys")
+        if cache is None or cache.shape[1] != len(self):
+            a = self.addresses.float()
+            a = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            cache = a.transpose(0, 1).contiguous()
+            self.__dict__["_routing_keys"] = cache
+        return cache
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

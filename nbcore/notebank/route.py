@@ -31,25 +31,33 @@ def native_votes_naive(u: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor
     return votes
 
 
-def channel_scores(u: torch.Tensor, addresses: torch.Tensor, note_block: int = 8192) -> torch.Tensor:
-    """s: [J, N] = max over question tokens of cosine similarity, computed in note blocks.
+def normalized_keys(addresses: torch.Tensor) -> torch.Tensor:
+    """[N, J, d] addresses -> [J, N, d] FP32 unit vectors (what Archive.routing_keys caches)."""
+    return l2_normalize(addresses.float()).transpose(0, 1).contiguous()
 
-    u: [Q, J, d_rho]; addresses: [N, J, d_rho] (bf16 or fp32)."""
+
+def channel_scores(u: torch.Tensor, keys: torch.Tensor, note_block: int = 1024) -> torch.Tensor:
+    """s: [J, N] = max over question tokens of cosine similarity.
+
+    u: [Q, J, d_rho] question features (bf16/fp32); keys: [J, N, d_rho] normalised FP32 addresses.
+    Notes are matched in blocks so the [J, block, Q] similarity tile stays cache-sized."""
     uh = l2_normalize(u.float()).permute(1, 2, 0).contiguous()             # [J, d, Q]
-    N = addresses.shape[0]
-    out = torch.empty(uh.shape[0], N, dtype=torch.float32)
+    J, N, _ = keys.shape
+    out = torch.empty(J, N, dtype=torch.float32)
     for n0 in range(0, N, note_block):
-        a = l2_normalize(addresses[n0:n0 + note_block].float()).transpose(0, 1)  # [J, n, d]
-        out[:, n0:n0 + note_block] = torch.bmm(a, uh).amax(dim=2)           # [J, n]
+        torch.amax(torch.bmm(keys[:, n0:n0 + note_block], uh), dim=2, out=out[:, n0:n0 + note_block])
     return out
 
 
-def native_votes(u: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor:
-    """Vectorised Eq. 5 -> votes [N] (int64)."""
-    N = addresses.shape[0]
+def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Vectorised Eq. 5 -> votes [N] (int64). Pass `keys` (Archive.routing_keys()) to skip
+    re-normalising the archive for every question."""
+    if keys is None:
+        keys = normalized_keys(addresses)
+    N = keys.shape[1]
     if N == 0:
         return torch.zeros(0, dtype=torch.int64)
-    winners = channel_scores(u, addresses).argmax(dim=1)                    # [J], first max on ties
+    winners = channel_scores(u, keys).argmax(dim=1)                          # [J], first max on ties
     return torch.bincount(winners, minlength=N)
 
 

@@ -65,7 +65,7 @@ def get_router(name: str):
 def native_router(rq: RouteQuery) -> np.ndarray:
     u = rq.probe()
     t0 = time.perf_counter()
-    votes = native_votes(u, rq.archive.addresses)
+    votes = native_votes(u, keys=rq.archive.routing_keys())
     rq.route_s += time.perf_counter() - t0
     return votes.numpy().astype(np.float64)
 

@@ -1,0 +1,32 @@
+"""The benchmark scripts run (tiny sizes) and reject bad arguments; numbers live in bench/results."""
+import json
+
+import pytest
+
+from bench.gpu import overhead_gpu
+from bench import overhead, route_bench
+
+
+def test_gpu_script_cpu_smoke(tmp_path):
+    out = tmp_path / "gpu.json"
+    doc = overhead_gpu.main(["--tiny", "--device", "cpu", "--lengths", "1K", "--reps", "1", "--gen", "2",
+                             "--out", str(out)])
+    row = doc["lengths"]["1K"]
+    assert row["plain_s"] > 0 and row["nb_s"] > 0 and row["ratio"] == pytest.approx(row["nb_s"] / row["plain_s"], rel=1e-2)
+    assert json.loads(out.read_text())["model"].startswith("tiny")
+
+
+@pytest.mark.parametrize("argv", [["--reps", "0", "--tiny", "--device", "cpu"],
+                                  ["--lengths", "12Q", "--tiny", "--device", "cpu"]], ids=["reps0", "badlen"])
+def test_gpu_script_rejects_bad_args(argv):
+    with pytest.raises((SystemExit, ValueError)):
+        overhead_gpu.main(argv)
+
+
+def test_parse_len():
+    assert overhead.parse_len("16K") == 16384 and overhead.parse_len("1M") == 1 << 20 and overhead.parse_len("700") == 700
+
+
+def test_route_bench_small():
+    res = route_bench.bench_route([8, 64], J=4, Q=3, reps=1)
+    assert set(res) == {"8", "64"} and res["64"]["warm_ms"] >= 0
