@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(VENV)/bin/pip install -q "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/pip install -q -e ".[test,eval]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, ray, pyarrow, peft, nbcore" && touch $@
 
 run: venv

@@ -176,3 +176,19 @@ def test_fingerprint_mismatch_is_refused(doc):
     res = ingest(a, doc[0], CFG)
     with pytest.raises(ValueError, match="fingerprint"):
         answer(b, res.state, res.archive, "q?", ReadConfig())
+
+
+@pytest.mark.parametrize("router", ["bm25", "dense", "mean_embedding"])
+def test_comparison_routers_find_the_lexical_needle(router):
+    bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
+    text, needles = needle_text(6000, 3, seed=0)
+    res = ingest(bb, text, NoteBankConfig(chunk_size=256, note_budget=96))
+    key, value = needles[0]
+    holders = [i for i, z in enumerate(res.archive.token_ids) if value in bb.tokenizer.decode(z.tolist())]
+    assert holders, "the writer should archive the needle here"
+    ans = answer(bb, res.state, res.archive, f"What is the special magic number for {key}?",
+                 ReadConfig(router=router, top_r=2, max_new_tokens=1))
+    assert ans.timings["probe_s"] == 0.0            # no backbone probe for external routers
+    if router in ("bm25", "dense"):                 # lexical/semantic match on the key words
+        assert set(holders) & set(ans.retrieved)
+    assert len(ans.retrieved) == 2

