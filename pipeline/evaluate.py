@@ -1,0 +1,219 @@
+"""RULER evaluation sweeps on Ray: backbones x budgets x tasks x lengths x examples, every method
+answered from one ingest per example. Resumable: each finished cell is one Parquet file
+(written to a temporary name, then renamed); a rerun skips cells whose file exists.
+
+Layout under `output`:
+  cells/<backbone>/<budget>/<task>/<length>/<index>.parquet   per-example rows (one per method)
+  results.parquet, summary.json, report.md, *.png               written by the final report step
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from nbcore.config import NoteBankConfig
+from pipeline.config import ConfigError, ModelSpec, RaySpec
+
+K = 1024
+
+
+@dataclass
+class BackboneEntry:
+    name: str = ""                                  # label used in results (e.g. tiny-gdn)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # per-backbone defaults (C=256 for Mamba-2)
+
+
+@dataclass
+class BudgetEntry:
+    """A (C, W, B) variant; unset fields keep the backbone's notebank config."""
+    name: str = "default"
+    chunk_size: int | None = None
+    write_budget: int | None = None
+    note_budget: int | None = None
+
+
+@dataclass
+class EvalJobConfig:
+    """jobs/evaluate.py"""
+
+    output: str = "out/eval"
+    backbones: list[BackboneEntry] = field(default_factory=list)
+    budgets: list[BudgetEntry] = field(default_factory=lambda: [BudgetEntry()])
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_single_3",
+                                                      "niah_multikey_1", "niah_multiquery", "niah_multivalue"])
+    lengths: list[str] = field(default_factory=lambda: ["4K", "16K"])
+    n_examples: int = 10
+    seed: int = 0
+    methods: list[str] = field(default_factory=lambda: ["plain", "jrt", "nb-tf-top1", "nb-tf-top2", "nb-tf-top4",
+                                                        "nb-bm25-top2", "nb-dense-top2", "nb-oracle-top2",
+                                                        "clean-start", "nb-tf-top2-reset"])
+    max_new_tokens: int = 32
+    block_size: int = 65536
+    num_cpus_per_cell: float = 1.0
+    num_gpus_per_cell: float = 0.0
+    ray: RaySpec = field(default_factory=RaySpec)
+    report_title: str = "RULER evaluation"
+    progress: bool = True
+
+    def validate(self):
+        from nbcore.evals.ruler_eval import method_config
+        if not self.backbones:
+            raise ConfigError("backbones: at least one entry is required")
+        for b in self.backbones:
+            if not b.name or "/" in b.name:
+                raise ConfigError(f"backbones: each entry needs a name without '/', got {b.name!r}")
+            b.model.validate(f"backbones[{b.name}].model")
+        for m in self.methods:
+            try:
+                method_config(m)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        for x in self.lengths:
+            parse_length(x)
+        if self.n_examples < 1:
+            raise ConfigError("n_examples must be >= 1")
+        return self
+
+
+def parse_length(s) -> int:
+    s = str(s).strip().upper()
+    try:
+        if s.endswith("M"):
+            return int(float(s[:-1]) * K * K)
+        if s.endswith("K"):
+            return int(float(s[:-1]) * K)
+        return int(s)
+    except ValueError:
+        raise ConfigError(f"bad length {s!r} (use e.g. 4K, 64K, 1M)") from None
+
+
+def _nb_for(entry: BackboneEntry, budget: BudgetEntry) -> NoteBankConfig:
+    kw = dataclasses.asdict(entry.notebank)
+    for k in ("chunk_size", "write_budget", "note_budget"):
+        if getattr(budget, k) is not None:
+            kw[k] = getattr(budget, k)
+    return NoteBankConfig(**kw).validate()
+
+
+def cell_path(out: str, bb: str, budget: str, task: str, length: int, index: int) -> str:
+    return f"{out.rstrip('/')}/cells/{bb}/{budget}/{task}/{length}/{index:04d}.parquet"
+
+
+_BACKBONES: dict = {}
+
+
+def _backbone(model: dict):
+    """One loaded backbone per worker process and model spec (tasks reuse worker processes)."""
+    key = json.dumps(model, sort_keys=True)
+    if key not in _BACKBONES:
+        from pipeline.worker import build_backbone
+        _BACKBONES[key] = build_backbone(model)
+    return _BACKBONES[key]
+
+
+def run_cell(cell: dict) -> dict:
+    """Evaluate one example under every method and commit its Parquet file. Pure except for I/O."""
+    import torch
+    from nbcore.evals.ruler_eval import EvalSpec, evaluate_example
+    threads = max(1, int(cell.get("threads", 1)))
+    torch.set_num_threads(threads)
+    spec = EvalSpec(cell["task"], cell["length"], cell["index"], cell["seed"], cell["max_new_tokens"])
+    t0 = time.perf_counter()
+    try:
+        bb = _backbone(cell["model"])
+        rows = evaluate_example(bb, spec, cell["methods"], NoteBankConfig(**cell["notebank"]), cell["block_size"])
+        err = None
+    except Exception as e:  # noqa: BLE001 - a failed example is recorded, the sweep goes on
+        rows, err = [], f"{type(e).__name__}: {e}"
+    for r in rows:
+        r.update(backbone=cell["backbone"], budget=cell["budget"], cell_s=time.perf_counter() - t0)
+    if err is None:
+        table = pa.Table.from_pylist(rows)
+        fs, path = fsspec.core.url_to_fs(cell["path"])
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with fs.open(tmp, "wb") as f:
+            pq.write_table(table, f)
+        fs.mv(tmp, path)
+    return {"path": cell["path"], "error": err, "n_tokens": rows[0]["n_tokens"] if rows else 0}
+
+
+def plan_cells(cfg: EvalJobConfig) -> list[dict]:
+    cells = []
+    threads = max(1, int(cfg.num_cpus_per_cell))
+    for b in cfg.backbones:
+        model = dataclasses.asdict(b.model)
+        if model.get("path") and "://" not in model["path"] and os.path.exists(model["path"]):
+            model["path"] = os.path.abspath(model["path"])   # workers may run elsewhere
+        for budget in cfg.budgets:
+            nb = dataclasses.asdict(_nb_for(b, budget))
+            for task in cfg.tasks:
+                for L in cfg.lengths:
+                    n = parse_length(L)
+                    for i in range(cfg.n_examples):
+                        cells.append(dict(backbone=b.name, budget=budget.name, model=model,
+                                          notebank=nb, task=task, length=n, index=i, seed=cfg.seed,
+                                          methods=list(cfg.methods), max_new_tokens=cfg.max_new_tokens,
+                                          block_size=cfg.block_size, threads=threads,
+                                          path=cell_path(cfg.output, b.name, budget.name, task, n, i)))
+    return cells
+
+
+def run_sweep(cfg: EvalJobConfig) -> dict:
+    """Run (or resume) the sweep, then write the report. -> summary for the CLI."""
+    from tqdm import tqdm
+    cfg.validate()
+    t0 = time.perf_counter()
+    cells = plan_cells(cfg)
+    fs, _ = fsspec.core.url_to_fs(cfg.output)
+    todo = [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
+    remote = ray.remote(num_cpus=cfg.num_cpus_per_cell, num_gpus=cfg.num_gpus_per_cell, max_retries=2)(run_cell)
+    # Longest first: better packing, and the slow 1M cells start early.
+    todo.sort(key=lambda c: -c["length"])
+    pending = [remote.remote(c) for c in todo]
+    failed, tokens = [], 0
+    bar = tqdm(total=len(pending), desc="cells", unit="cell", disable=not cfg.progress)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        res = ray.get(done[0])
+        tokens += res["n_tokens"]
+        if res["error"]:
+            failed.append(res)
+            bar.write(f"failed {res['path']}: {res['error']}")
+        bar.update(1)
+    bar.close()
+    rows = collect(cfg.output)
+    summary = {}
+    if rows is not None and rows.num_rows:
+        from nbcore.evals.report import write_report
+        out_local = cfg.output
+        with fs.open(fsspec.core.url_to_fs(cfg.output)[1].rstrip("/") + "/results.parquet", "wb") as f:
+            pq.write_table(rows, f)
+        if fs.protocol in ("file", ("file", "local")) or "://" not in cfg.output:
+            summary = write_report(rows.to_pandas(), out_local, cfg.report_title,
+                                   meta={"cells": len(cells), "methods": ", ".join(cfg.methods)})
+    return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - len(todo),
+            "cells_failed": len(failed), "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
+            "summary_keys": len(summary)}
+
+
+def collect(output: str):
+    """All finished cells as one Arrow table (None if there are none)."""
+    fs, root = fsspec.core.url_to_fs(output)
+    files = sorted(fs.glob(root.rstrip("/") + "/cells/**/*.parquet"))
+    if not files:
+        return None
+    tables = []
+    for p in files:
+        with fs.open(p, "rb") as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables, promote_options="default")
