@@ -21,6 +21,9 @@ class NoteBankConfig:
     tail: int = 32               # tokens of the previous chunk added to the candidate region
     addr_dim: int = 16           # d_rho: coordinates kept per channel address
     seed: int = 0                # seed of the fixed coordinate selection P
+    # Addressing variants beyond the paper (issue 9); the defaults are the paper's rule.
+    addr_positions: int = 1      # m: representative positions per channel (paper: 1)
+    addr_select: str = "key"     # key (paper Eq. 4) | key_qnovel (x novelty of the query vs the doc's mean query)
 
     def validate(self) -> "NoteBankConfig":
         for name in ("chunk_size", "note_budget", "window", "addr_dim"):
@@ -29,12 +32,20 @@ class NoteBankConfig:
                 raise ValueError(f"NoteBankConfig.{name} must be a positive int, got {v!r}")
         if self.write_budget not in (1, 2):
             raise ValueError(f"NoteBankConfig.write_budget must be 1 or 2 (paper App. B.2), got {self.write_budget!r}")
+        if not isinstance(self.addr_positions, int) or self.addr_positions < 1:
+            raise ValueError(f"NoteBankConfig.addr_positions must be a positive int, got {self.addr_positions!r}")
+        if self.addr_select not in ("key", "key_qnovel"):
+            raise ValueError(f"NoteBankConfig.addr_select must be 'key' or 'key_qnovel', got {self.addr_select!r}")
         if not isinstance(self.tail, int) or self.tail < 0 or self.tail >= self.chunk_size:
             raise ValueError(f"NoteBankConfig.tail must be in [0, chunk_size), got {self.tail!r}")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def address_slots_per_channel(self) -> int:
+        return self.addr_positions
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]

@@ -11,6 +11,7 @@ Method names (the `summary.json` vocabulary):
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -19,6 +20,27 @@ from nbcore.config import NoteBankConfig, ReadConfig
 
 ROUTER_ALIASES = {"tf": "native", "meanemb": "mean_embedding"}
 _NB = re.compile(r"^nb-(?P<router>[a-z0-9_]+)-top(?P<r>\d+)(?P<reset>-reset)?$")
+
+# Native addressing variants (issue 9): name -> (writer overrides, router). `tf` is the paper.
+VARIANTS: dict[str, tuple[dict, str]] = {
+    "tf": ({}, "native"),
+    "margin": ({}, "native_margin"),
+    "sum": ({}, "native_sum"),
+    "m4": ({"addr_positions": 4}, "native"),
+    "m4margin": ({"addr_positions": 4}, "native_margin"),
+    "m4sum": ({"addr_positions": 4}, "native_sum"),
+    "qnovel": ({"addr_select": "key_qnovel"}, "native"),
+    "qnovelmargin": ({"addr_select": "key_qnovel"}, "native_margin"),
+    "m4qnovelmargin": ({"addr_positions": 4, "addr_select": "key_qnovel"}, "native_margin"),
+}
+
+
+def writer_overrides(name: str) -> dict:
+    """NoteBankConfig fields a method needs beyond the backbone's config (issue 9 variants)."""
+    m = _NB.match(name)
+    if m and m["router"] in VARIANTS:
+        return dict(VARIANTS[m["router"]][0])
+    return {}
 
 
 def method_config(name: str, max_new_tokens: int = 32, stop: tuple[str, ...] = ()) -> ReadConfig:
@@ -33,7 +55,7 @@ def method_config(name: str, max_new_tokens: int = 32, stop: tuple[str, ...] = (
     m = _NB.match(name)
     if not m:
         raise ValueError(f"unknown method {name!r}: use plain, jrt, clean-start or nb-<router>-top<R>[-reset]")
-    router = ROUTER_ALIASES.get(m["router"], m["router"])
+    router = VARIANTS[m["router"]][1] if m["router"] in VARIANTS else ROUTER_ALIASES.get(m["router"], m["router"])
     return ReadConfig(method="notebank", top_r=int(m["r"]), router=router,
                       lam=0.0 if m["reset"] else None, **base).validate()
 
@@ -64,29 +86,38 @@ def evaluate_example(bb, spec: EvalSpec, methods: list[str], nb_cfg: NoteBankCon
     if example is None:
         example = ruler.generate(spec.task, spec.length, spec.index, bb.tokenizer, seed=spec.seed)
     answers = list(example["answers"])
-    t0 = time.perf_counter()
-    res = ingest(bb, example["context"], nb_cfg, block_size=block_size)
-    ingest_s = time.perf_counter() - t0
     tok = bb.tokenizer
-    note_texts = [tok.decode(z.tolist(), skip_special_tokens=True) for z in res.archive.token_ids]
-    archived = coverage(answers, note_texts)
-    rows = []
+    # One ingest per distinct writer config (the paper's rule serves every non-variant method).
+    groups: dict[str, list[str]] = {}
     for name in methods:
-        rc = method_config(name, spec.max_new_tokens)
-        t1 = time.perf_counter()
-        ans = answer(bb, res.state, res.archive, example["question"], rc, answers=answers, context_ids=res.token_ids)
-        wall = time.perf_counter() - t1
-        rows.append({
-            "task": spec.task, "length": spec.length, "index": spec.index, "method": name,
-            "score": float(ruler.score(spec.task, ans.text, answers)),
-            "prediction": ans.text, "answers": answers,
-            "archived_cov": archived,
-            "retrieved_cov": coverage(answers, [note_texts[i] for i in ans.retrieved]) if ans.retrieved else 0.0,
-            "n_tokens": int(res.n_tokens), "n_notes": len(res.archive),
-            "archived_tokens": int(res.archive.n_archived_tokens), "replay_len": int(ans.replay_len),
-            "question_tokens": int(ans.n_question_tokens), "retrieved": [int(i) for i in ans.retrieved],
-            "prefill_s": res.timings["prefill_s"], "write_s": res.timings["write_s"], "ingest_s": ingest_s,
-            "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
-            "replay_generate_s": ans.timings["replay_generate_s"], "answer_s": wall,
-        })
-    return rows
+        groups.setdefault(json.dumps(writer_overrides(name), sort_keys=True), []).append(name)
+    rows = []
+    for key, names in groups.items():
+        cfg = NoteBankConfig(**{**nb_cfg.to_dict(), **json.loads(key)}).validate()
+        t0 = time.perf_counter()
+        res = ingest(bb, example["context"], cfg, block_size=block_size)
+        ingest_s = time.perf_counter() - t0
+        note_texts = [tok.decode(z.tolist(), skip_special_tokens=True) for z in res.archive.token_ids]
+        archived = coverage(answers, note_texts)
+        for name in names:
+            rc = method_config(name, spec.max_new_tokens)
+            t1 = time.perf_counter()
+            ans = answer(bb, res.state, res.archive, example["question"], rc, answers=answers,
+                         context_ids=res.token_ids)
+            wall = time.perf_counter() - t1
+            rows.append({
+                "task": spec.task, "length": spec.length, "index": spec.index, "method": name,
+                "score": float(ruler.score(spec.task, ans.text, answers)),
+                "prediction": ans.text, "answers": answers,
+                "archived_cov": archived,
+                "retrieved_cov": coverage(answers, [note_texts[i] for i in ans.retrieved]) if ans.retrieved else 0.0,
+                "n_tokens": int(res.n_tokens), "n_notes": len(res.archive),
+                "archived_tokens": int(res.archive.n_archived_tokens), "replay_len": int(ans.replay_len),
+                "address_bytes_per_note": int(2 * res.archive.addresses.shape[1] * cfg.addr_dim),
+                "question_tokens": int(ans.n_question_tokens), "retrieved": [int(i) for i in ans.retrieved],
+                "prefill_s": res.timings["prefill_s"], "write_s": res.timings["write_s"], "ingest_s": ingest_s,
+                "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
+                "replay_generate_s": ans.timings["replay_generate_s"], "answer_s": wall,
+            })
+    order = {n: i for i, n in enumerate(methods)}
+    return sorted(rows, key=lambda r: order[r["method"]])

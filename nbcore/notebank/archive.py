@@ -16,7 +16,8 @@ class Archive:
     token_ids:   list of N int32 arrays, note i's original token ids (len <= B)
     starts/ends: [N] int64, note i covers document token positions [start, end)
     chunk_index: [N] int64, index of the completed chunk whose write produced note i
-    addresses:   [N, J, d_rho] bfloat16, per-channel compact native queries (Eq. 4, 9), unnormalised
+    addresses:   [N, J*m, d_rho] bfloat16, per-channel compact native queries (Eq. 4, 9), unnormalised;
+                 m = config.addr_positions slots per channel, channel-major (paper: m = 1)
     config:      the NoteBankConfig that wrote it
     model_fingerprint: hash of the backbone config + channel layout (see Backbone.fingerprint)
     n_tokens:    tokens of the document that was read
@@ -66,7 +67,7 @@ class Archive:
             starts=np.zeros(0, np.int64),
             ends=np.zeros(0, np.int64),
             chunk_index=np.zeros(0, np.int64),
-            addresses=torch.zeros(0, n_channels, config.addr_dim, dtype=torch.bfloat16),
+            addresses=torch.zeros(0, n_channels * config.addr_positions, config.addr_dim, dtype=torch.bfloat16),
             config=config,
             model_fingerprint=model_fingerprint,
             n_tokens=n_tokens,

@@ -49,7 +49,17 @@ def channel_scores(u: torch.Tensor, keys: torch.Tensor, note_block: int = 1024) 
     return out
 
 
-def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+def slot_scores(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
+    """s: [J, N] with m address slots per channel (issue 9): max over slots and question tokens.
+    u: [Q, J, d]; keys: [J*m, N, d] (channel-major slots)."""
+    if m == 1:
+        return channel_scores(u, keys)
+    s = channel_scores(u.repeat_interleave(m, dim=1), keys)                 # [J*m, N]
+    return s.view(-1, m, s.shape[1]).amax(dim=1)
+
+
+def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+                 m: int = 1) -> torch.Tensor:
     """Vectorised Eq. 5 -> votes [N] (int64). Pass `keys` (Archive.routing_keys()) to skip
     re-normalising the archive for every question."""
     if keys is None:
@@ -57,8 +67,32 @@ def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: t
     N = keys.shape[1]
     if N == 0:
         return torch.zeros(0, dtype=torch.int64)
-    winners = channel_scores(u, keys).argmax(dim=1)                          # [J], first max on ties
+    winners = slot_scores(u, keys, m).argmax(dim=1)                          # [J], first max on ties
     return torch.bincount(winners, minlength=N)
+
+
+def margin_votes(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
+    """Issue 9 variant: each channel's vote weighs (best - second best) score, so channels that
+    cannot tell near-identical notes apart (template matches, repeated haystack) add ~nothing."""
+    s = slot_scores(u, keys, m)                                               # [J, N]
+    N = s.shape[1]
+    if N == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    if N == 1:
+        return torch.ones(1, dtype=torch.float64)
+    top = torch.topk(s, 2, dim=1)                                            # values [J, 2]
+    winners = s.argmax(dim=1)                                                # first max on ties
+    # + 1e-6: a channel whose best notes tie still casts a (negligible) vote, so some note is
+    # always retrieved and exact ties fall back to the paper's count-then-earlier rule.
+    w = (top.values[:, 0] - top.values[:, 1]).double() + 1e-6
+    return torch.zeros(N, dtype=torch.float64).scatter_add_(0, winners, w)
+
+
+def sum_scores(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
+    """Issue 9 variant: soft voting, score_i = sum_j s_i^j (late interaction over channels),
+    shifted by J + 1 so every note scores > 0."""
+    s = slot_scores(u, keys, m)
+    return s.sum(dim=0).double() + s.shape[0] + 1.0
 
 
 def top_r(scores: torch.Tensor | np.ndarray, r: int, starts: np.ndarray) -> list[int]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from nbcore.notebank.features import ChunkReducer
-from nbcore.notebank.route import native_votes
+from nbcore.notebank.route import margin_votes, native_votes, sum_scores
 
 
 @dataclass
@@ -61,13 +61,30 @@ def get_router(name: str):
     return ROUTERS[name]
 
 
-@register_router("native")
-def native_router(rq: RouteQuery) -> np.ndarray:
+def _native(rq: RouteQuery, fn) -> np.ndarray:
     u = rq.probe()
     t0 = time.perf_counter()
-    votes = native_votes(u, keys=rq.archive.routing_keys())
+    out = fn(u, keys=rq.archive.routing_keys(), m=rq.archive.config.addr_positions)
     rq.route_s += time.perf_counter() - t0
-    return votes.numpy().astype(np.float64)
+    return out.numpy().astype(np.float64)
+
+
+@register_router("native")
+def native_router(rq: RouteQuery) -> np.ndarray:
+    """Paper Eq. 5: each channel votes for its best note."""
+    return _native(rq, native_votes)
+
+
+@register_router("native_margin")
+def native_margin_router(rq: RouteQuery) -> np.ndarray:
+    """Votes weighted by each channel's best-vs-second margin (issue 9)."""
+    return _native(rq, margin_votes)
+
+
+@register_router("native_sum")
+def native_sum_router(rq: RouteQuery) -> np.ndarray:
+    """Soft voting: sum over channels of the per-channel max cosine (issue 9)."""
+    return _native(rq, sum_scores)
 
 
 @register_router("random")

@@ -108,14 +108,31 @@ def select_spans(scores: np.ndarray, sent: np.ndarray, W: int, B: int, window: i
     return spans
 
 
-def assign_addresses(dist: torch.Tensor, qc: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def assign_addresses(dist: torch.Tensor, qc: torch.Tensor, start: int, end: int, m: int = 1) -> torch.Tensor:
     """Eq. 4: per channel, the compacted query at argmax_t d_t^{l,h} over the note.
 
-    dist: [L, J] per-channel distinctiveness of the region; qc: [L, J, d_rho] compacted queries.
-    -> [J, d_rho] bf16."""
-    t_star = torch.argmax(_snap(dist[start:end].double()), dim=0) + start   # [J] (first max on ties)
+    dist: [L, J] per-channel position scores of the region (the paper: key distinctiveness);
+    qc: [L, J, d_rho] compacted queries. -> [J * m, d_rho] bf16, channel-major: channel j's slots
+    are rows j*m .. j*m+m-1. m > 1 (issue 9) keeps the top-m distinct positions (ties -> earlier;
+    a note shorter than m repeats its best position)."""
     J = dist.shape[1]
-    return qc[t_star, torch.arange(J)].to(torch.bfloat16)
+    s = _snap(dist[start:end].double())                                     # [n, J]
+    if m == 1:
+        t_star = torch.argmax(s, dim=0) + start                             # [J] (first max on ties)
+        return qc[t_star, torch.arange(J)].to(torch.bfloat16)
+    n = end - start
+    order = torch.sort(-s, dim=0, stable=True).indices[: min(m, n)] + start  # [m', J]
+    if order.shape[0] < m:
+        order = torch.cat([order, order[:1].expand(m - order.shape[0], J)])
+    out = qc[order, torch.arange(J)[None]]                                  # [m, J, d_rho]
+    return out.transpose(0, 1).reshape(J * m, -1).to(torch.bfloat16)
+
+
+def query_novelty(qc: torch.Tensor, q_mean: torch.Tensor) -> torch.Tensor:
+    """1 - cos(q_t^j, mean query of channel j so far): low for what every position shares
+    (template words), high for rare content. qc: [L, J, d]; q_mean: [J, d] -> [L, J] in [0, 2]."""
+    from nbcore.notebank.features import l2_normalize
+    return 1.0 - torch.einsum("ljd,jd->lj", l2_normalize(qc.float()), l2_normalize(q_mean))
 
 
 @dataclass
@@ -143,6 +160,7 @@ class ArchiveWriter:
         self._buf_n = 0
         self._tail: _Tail | None = None
         self._n_chunks = 0                            # completed chunks
+        self._q_sum = None                            # running sum of unit compacted queries [J, d] (key_qnovel)
         self.token_ids: list[np.ndarray] = []
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -180,19 +198,27 @@ class ArchiveWriter:
         region_end = chunk_start + C
         scores = r_dist.mean(dim=1).double().numpy()            # d_t, Eq. 3 (channel average)
         sent = self.sent[region_start:region_end]
+        pos_scores = r_dist
+        if cfg.addr_select == "key_qnovel":
+            # archive-internal statistic: mean query of everything read so far (causal)
+            from nbcore.notebank.features import l2_normalize
+            chunk_sum = l2_normalize(qc.float()).sum(0)
+            self._q_sum = chunk_sum if self._q_sum is None else self._q_sum + chunk_sum
+            pos_scores = r_dist * query_novelty(r_qc, self._q_sum)
         for s, e in select_spans(scores, sent, cfg.write_budget, cfg.note_budget, cfg.window):
             self.token_ids.append(self.ids[region_start + s:region_start + e].astype(np.int32))
             self.starts.append(region_start + s)
             self.ends.append(region_start + e)
             self.chunks.append(c_idx)
-            self.addresses.append(assign_addresses(r_dist, r_qc, s, e))
+            self.addresses.append(assign_addresses(pos_scores, r_qc, s, e, cfg.addr_positions))
         if cfg.tail:
             self._tail = _Tail(dist[C - cfg.tail:].clone(), qc[C - cfg.tail:].clone())
 
     def finish(self, n_tokens: int | None = None) -> Archive:
         """Close the archive. Pending tokens of an incomplete final chunk write nothing."""
         n = len(self.token_ids)
-        addr = torch.stack(self.addresses) if n else torch.zeros(0, self.J, self.cfg.addr_dim, dtype=torch.bfloat16)
+        slots = self.J * self.cfg.addr_positions
+        addr = torch.stack(self.addresses) if n else torch.zeros(0, slots, self.cfg.addr_dim, dtype=torch.bfloat16)
         return Archive(
             token_ids=self.token_ids,
             starts=np.asarray(self.starts, np.int64),

@@ -1,0 +1,388 @@
+"""Train the tiny shipped backbones (pure Gated DeltaNet and Mamba-2) from scratch on CPU.
+
+Why it works at all on 2 cores: the initialisation. With stock inits the answer loss of a tiny
+recurrent model sits at chance for hundreds of steps on needle retrieval. Two inits fix it
+(shared/notes/tiny-model-training.md, measured for GDN):
+* long-memory decay: per-token decay close to 1 (GDN ``g = -exp(A_log)*softplus(a+dt_bias)``
+  near 0; Mamba-2 ``exp(-exp(A_log)*dt)`` near 1), so a needle survives a 2K haystack;
+* induction init: the key path starts as a copy of the query path and its short conv reads token
+  t-1 while query and value read token t, so the state stores (previous token -> current token)
+  and querying with the current token returns what followed it last time: an induction head,
+  which is exactly "find the key, copy the value". For Mamba-2, B plays the key, C the query and
+  x the value (the same recipe on ``in_proj`` / ``conv1d``).
+
+Data: RULER NIAH formats (train-split keys, fresh random values) over noise and prose haystacks
+plus plain prose LM, generated on the fly at <= 2K tokens with a length curriculum driven by the
+fraction of the time budget spent. Loss = answer CE + 0.5 x LM CE on all other tokens.
+Pure torch + transformers; no ray here (jobs/train_backbone.py is the CLI).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nbcore.tasks import ruler
+from nbcore.tasks import haystack as hs
+
+NIAH_TRAIN_TASKS = ruler.PAPER_SIX
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gdn"  # "gdn" | "mamba2"
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4  # GDN key/value heads; Mamba-2 heads = 2*hidden/head_dim
+    head_dim: int = 32
+    mlp: int = 256  # GDN MLP width
+    state: int = 64  # Mamba-2 state size
+    conv: int = 4
+
+
+@dataclass
+class TrainConfig:
+    minutes: float = 60.0
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 30
+    tokens_per_step: int = 8192
+    weight_decay: float = 0.01
+    lm_weight: float = 0.5
+    prose_frac: float = 0.1  # fraction of sequences that are plain prose LM
+    threads: int = 2
+    ckpt_every_s: float = 180.0
+    # curriculum phases: (min len, max len, tasks, advance when teacher-forced answer EM (EMA)
+    # exceeds this, or at the latest at this fraction of the time budget). Performance-gated:
+    # on a loaded 2-core machine a time-only schedule moved on before the answer loss had left
+    # chance level.
+    phases: list = field(default_factory=lambda: [
+        (128, 256, ("niah_single_1",), 0.8, 0.35),
+        (128, 512, ("niah_single_1", "niah_single_2", "niah_single_3"), 0.7, 0.50),
+        (256, 1024, NIAH_TRAIN_TASKS, 0.6, 0.80),
+        (512, 2048, NIAH_TRAIN_TASKS, 2.0, 1.0),
+    ])
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+
+def build_model(mc: ModelConfig, tok):
+    """Fresh model with the long-memory + induction initialisation."""
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id)
+    if mc.family == "gdn":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        cfg = Qwen3_5TextConfig(
+            vocab_size=len(tok), hidden_size=mc.hidden, intermediate_size=mc.mlp,
+            num_hidden_layers=mc.layers, layer_types=["linear_attention"] * mc.layers,
+            num_attention_heads=mc.heads, num_key_value_heads=mc.heads, head_dim=mc.head_dim,
+            linear_num_key_heads=mc.heads, linear_num_value_heads=mc.heads,
+            linear_key_head_dim=mc.head_dim, linear_value_head_dim=mc.head_dim,
+            linear_conv_kernel_dim=mc.conv, tie_word_embeddings=True, use_cache=False,
+            max_position_embeddings=1 << 20, **ids)
+        model = Qwen3_5ForCausalLM(cfg)
+        for layer in model.model.layers:
+            _init_gdn(layer.linear_attn)
+    elif mc.family == "mamba2":
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+        inter = 2 * mc.hidden
+        cfg = Mamba2Config(
+            vocab_size=len(tok), hidden_size=mc.hidden, num_hidden_layers=mc.layers,
+            expand=2, head_dim=mc.head_dim, num_heads=inter // mc.head_dim, n_groups=1,
+            state_size=mc.state, conv_kernel=mc.conv, chunk_size=128, tie_word_embeddings=True,
+            use_cache=False, **ids)
+        model = Mamba2ForCausalLM(cfg)
+        for layer in model.backbone.layers:
+            _init_mamba2(layer.mixer)
+    else:
+        raise ValueError(mc.family)
+    return model
+
+
+def _conv_taps(conv: torch.nn.Conv1d, sl: slice, lag: int) -> None:
+    """Depthwise causal conv channels ``sl`` read exactly token t-lag (weight index K-1 = t)."""
+    k = conv.weight.shape[-1]
+    conv.weight.data[sl] = 0.0
+    conv.weight.data[sl, 0, k - 1 - lag] = 1.0
+    if conv.bias is not None:
+        conv.bias.data[sl] = 0.0
+
+
+@torch.no_grad()
+def _init_gdn(m) -> None:
+    kd, vd = m.key_dim, m.value_dim
+    w = m.in_proj_qkv.weight  # [2*kd + vd, hidden]: rows q | k | v
+    w[kd:2 * kd] = w[:kd]  # key projection = query projection
+    _conv_taps(m.conv1d, slice(0, kd), 0)  # q reads t
+    _conv_taps(m.conv1d, slice(kd, 2 * kd), 1)  # k reads t-1
+    _conv_taps(m.conv1d, slice(2 * kd, 2 * kd + vd), 0)  # v reads t
+    h = m.num_v_heads
+    # decay per token exp(g), g = -A*softplus(dt_bias): A in [0.02, 0.2], softplus(-4) ~ 0.018
+    m.A_log.copy_(torch.linspace(math.log(0.02), math.log(0.2), h))
+    m.dt_bias.fill_(-4.0)
+
+
+@torch.no_grad()
+def _init_mamba2(m) -> None:
+    inter, st = m.intermediate_size, m.n_groups * m.ssm_state_size
+    w = m.in_proj.weight  # rows: gate(inter) | x(inter) | B(st) | C(st) | dt(heads)
+    xb = inter  # start of the conv block
+    b0, c0 = xb + inter, xb + inter + st
+    w[b0:b0 + st] = w[c0:c0 + st]  # B (key) = C (query)
+    _conv_taps(m.conv1d, slice(0, inter), 0)  # x (value) reads t
+    _conv_taps(m.conv1d, slice(inter, inter + st), 1)  # B reads t-1
+    _conv_taps(m.conv1d, slice(inter + st, inter + 2 * st), 0)  # C reads t
+    h = m.num_heads
+    # decay exp(-A*dt): A in [0.005, 0.05], dt = softplus(dt_bias) ~ 0.25 (writes stay strong)
+    m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
+    m.dt_bias.fill_(math.log(math.expm1(0.25)))
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+def encode_example(ex: dict, tok) -> tuple[list[int], int]:
+    """ids = context+question, then the answer and EOS; returns (ids, answer_start)."""
+    prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
+    ans = tok(ruler.answer_text(ex["answers"]), add_special_tokens=False)["input_ids"]
+    return prompt + ans + [tok.eos_token_id], len(prompt)
+
+
+def make_batch(step: int, phase: int, tc: TrainConfig, tok):
+    """One training batch: ids [B, T], answer mask [B, T] (targets), lm mask [B, T]."""
+    rng = random.Random(f"batch|{tc.seed}|{step}")
+    lo, hi, tasks = tc.phases[phase][:3]
+    length = rng.randint(lo, hi)
+    bsz = max(1, tc.tokens_per_step // length)
+    seqs = []
+    for _ in range(bsz):
+        if rng.random() < tc.prose_frac and hs.essay_available():
+            text = hs.essay_slice(int(length * 0.8), rng.randrange(len(hs.essay_words())))
+            ids = tok(text, add_special_tokens=False)["input_ids"][:length]
+            seqs.append((ids, len(ids)))
+        else:
+            task = rng.choice(tasks)
+            ex = ruler.generate(task, length, rng.randrange(1 << 30), tok, seed=tc.seed,
+                                split="train")
+            seqs.append(encode_example(ex, tok))
+    T = max(len(s) for s, _ in seqs)
+    ids = torch.full((bsz, T), tok.pad_token_id, dtype=torch.long)
+    ans = torch.zeros((bsz, T), dtype=torch.bool)  # position t predicts token t+1
+    lm = torch.zeros((bsz, T), dtype=torch.bool)
+    for i, (s, a) in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        lm[i, :min(a, len(s)) - 1] = True
+        ans[i, a - 1:len(s) - 1] = True
+    return ids, ans, lm
+
+
+def loss_fn(model, ids, ans, lm, lm_weight):
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]  # [B, T-1, V]
+    tgt = ids[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1),
+                         reduction="none").view_as(tgt)
+    a, l = ans[:, :-1], lm[:, :-1]
+    ans_loss = (ce * a).sum() / a.sum().clamp(min=1)
+    lm_loss = (ce * l).sum() / l.sum().clamp(min=1)
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+        ok = ((pred == tgt) | ~a).all(dim=1) & a.any(dim=1)
+        em = ok.float().sum() / a.any(dim=1).float().sum().clamp(min=1)
+    return ans_loss + lm_weight * lm_loss, ans_loss.item(), lm_loss.item(), em.item()
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation
+
+@torch.no_grad()
+def greedy(model, ids: list[int], max_new: int, eos: int) -> list[int]:
+    """No-cache greedy decoding (all-linear GDN configs cannot use transformers' cache)."""
+    x = torch.tensor([ids])
+    out: list[int] = []
+    for _ in range(max_new):
+        nxt = int(model(input_ids=x, use_cache=False).logits[0, -1].argmax())
+        if nxt == eos:
+            break
+        out.append(nxt)
+        x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tok, tasks, length: int, n: int, seed: int = 0) -> dict[str, float]:
+    """RULER score (string_match_all, 0-100) per task with greedy decoding, test-split keys."""
+    model.eval()
+    res = {}
+    for task in tasks:
+        scores = []
+        for i in range(n):
+            ex = ruler.generate(task, length, i, tok, seed=seed, split="test")
+            prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
+            budget = len(tok(ruler.answer_text(ex["answers"]), add_special_tokens=False)["input_ids"]) + 2
+            pred = tok.decode(greedy(model, prompt, budget, tok.eos_token_id))
+            scores.append(ruler.score(task, pred, ex["answers"]))
+        res[task] = sum(scores) / len(scores)
+    model.train()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# training loop with checkpoint/resume
+
+def lr_at(step_frac: float, step: int, tc: TrainConfig) -> float:
+    warm = min(1.0, (step + 1) / tc.warmup_steps)
+    cos = tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(step_frac, 1.0)))
+    return tc.lr * warm * cos
+
+
+def export(model, tok, out_dir: Path, meta: dict) -> None:
+    """Write the HF model dir (config, safetensors, tokenizer, train_meta.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, log=print):
+    torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = run_dir / "ckpt.pt"
+    model = build_model(mc, tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
+                            weight_decay=tc.weight_decay)
+    step, elapsed, tokens, phase = 0, 0.0, 0, 0
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, elapsed, tokens = ck["step"], ck["elapsed"], ck["tokens"]
+        torch.set_rng_state(ck["torch_rng"])
+        phase = ck.get("phase", 0)
+        log(f"resumed from {ckpt_path} at step {step}, {elapsed:.0f}s, {tokens} tokens")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{mc.family}: {n_params} params; budget {tc.minutes} min")
+    budget = tc.minutes * 60
+    t0, last_ckpt = time.time() - elapsed, time.time()
+    ema = None
+    phase_log = ck.get("phase_log", []) if ckpt_path.exists() else []
+
+    def meta():
+        return {"model": asdict(mc), "train": {k: v for k, v in asdict(tc).items() if k != "phases"},
+                "phases": [[p[0], p[1], list(p[2]), p[3], p[4]] for p in tc.phases],
+                "phase_log": phase_log,
+                "params": n_params, "steps": step, "tokens": tokens,
+                "wall_s": round(time.time() - t0, 1)}
+
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": time.time() - t0, "tokens": tokens, "phase": phase,
+                    "phase_log": phase_log,
+                    "torch_rng": torch.get_rng_state()}, ckpt_path)
+        export(model, tok, out_dir, meta())
+
+    model.train()
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        if phase + 1 < len(tc.phases) and (frac >= tc.phases[phase][4] or (
+                ema is not None and step >= 20 and ema[2] >= tc.phases[phase][3])):
+            phase += 1
+            ema = None
+            phase_log.append({"phase": phase, "step": step, "elapsed_s": round(time.time() - t0)})
+            log(f"advancing to phase {phase} at step {step}")
+        ids, ans, lm = make_batch(step, phase, tc, tok)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(frac, step, tc)
+        loss, a_l, l_l, em = loss_fn(model, ids, ans, lm, tc.lm_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += int(ids.numel())
+        ema = (a_l, l_l, em) if ema is None else tuple(0.9 * e + 0.1 * v for e, v in zip(ema, (a_l, l_l, em)))
+        if step % 10 == 0:
+            log(f"step {step} t={time.time() - t0:.0f}s frac={frac:.3f} ph={phase} len={ids.shape[1]} "
+                f"ans={ema[0]:.3f} lm={ema[1]:.3f} tf_em={ema[2]:.2f} lr={opt.param_groups[0]['lr']:.2e}")
+        if time.time() - last_ckpt > tc.ckpt_every_s:
+            save()
+            last_ckpt = time.time()
+            log(f"checkpoint at step {step}")
+    save()
+    log(f"done: {step} steps, {tokens} tokens, {time.time() - t0:.0f}s")
+    return model, meta()
+
+
+# ------------------------------------------------------------------------------------------------
+# model card
+
+FAMILY_TEXT = {
+    "gdn": ("transformers `Qwen3_5ForCausalLM` (`Qwen3_5TextConfig`), every layer "
+            "`linear_attention` (pure Gated DeltaNet)",
+            "All-linear qwen3_5 configs raise in `get_seq_length` on cached forwards; the config "
+            "ships with `use_cache=false`, call `model(input_ids, use_cache=False)` or use a "
+            "`DynamicCache` subclass that counts tokens itself for incremental decoding."),
+    "mamba2": ("transformers `Mamba2ForCausalLM` (`Mamba2Config`)",
+               "The config ships with `use_cache=false`; pass `use_cache=True` to use the cache."),
+}
+
+
+def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
+    mc = meta["model"]
+    arch, cache_note = FAMILY_TEXT[mc["family"]]
+    size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file() and f.name != "README.md")
+    rows = []
+    for e in evals:
+        for task, s in e["scores"].items():
+            rows.append(f"| {e['length']} | {task} | {e['n']} | {s:.1f} |")
+    phases = "\n".join(f"  - lengths {p[0]}-{p[1]}, tasks {', '.join(p[2])}; next phase when the "
+                       f"teacher-forced answer EM (EMA) >= {p[3]} or at {p[4]:.0%} of the budget"
+                       for p in meta["phases"])
+    phases += "\n  - phase changes in this run: " + json.dumps(meta.get("phase_log", []))
+    tr = meta["train"]
+    text = f"""# tiny-{mc['family']}: a tiny {mc['family'].upper()} backbone trained from scratch on CPU
+
+Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},
+conv {mc['conv']}, tied embeddings, {meta['params']:,} parameters, {size / 2**20:.1f} MiB on disk
+(fp32 safetensors). Tokenizer: the project BPE (`nbcore/tasks/tokenizer.py`, 2,048 entries,
+single-digit tokens). {cache_note}
+
+It exists so NoteBank's pipeline, tests and benchmarks have a real recurrent model that can read a
+RULER haystack; it is not a language model of any quality.
+
+## Recipe
+- Initialisation (why it learns at all in minutes): long-memory decay init (per-token decay
+  close to 1) and an induction init (key path = copy of the query path, the key's short conv reads
+  token t-1, query and value read token t). See `nbcore/training/backbone.py`.
+- Data, generated on the fly (`nbcore/tasks/ruler.py`, train-split keys, fresh random values):
+  the six NIAH tasks of the NoteBank paper over noise and prose haystacks, plus
+  {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:
+{phases}
+- Loss: answer CE + {tr['lm_weight']} x LM CE on all other tokens. AdamW lr {tr['lr']} (warm-up
+  {tr['warmup_steps']} steps, cosine to {tr['min_lr_frac']} x over the time budget), betas
+  (0.9, 0.95), weight decay {tr['weight_decay']}, grad clip 1.0, ~{tr['tokens_per_step']} tokens per step.
+- Seed {tr['seed']}; {meta['steps']} steps, {meta['tokens']:,} tokens, wall time
+  {meta['wall_s'] / 60:.1f} min on a shared 2-core CPU ({tr['threads']} torch threads).
+
+Reproduce (resumes from `runs/<name>/ckpt.pt` if present):
+
+    python jobs/train_backbone.py --family {mc['family']} --out models/tiny-{mc['family']} --minutes {tr['minutes']:g} --seed {tr['seed']}
+
+The curriculum advances with wall-clock time, so a run on a faster or less loaded machine sees more
+steps and is not bit-identical.
+
+## Measured (greedy, no cache, RULER string_match_all 0-100, test-split keys, plain reading)
+
+| length | task | N | score |
+|---|---|---|---|
+""" + "\n".join(rows) + "\n"
+    (out_dir / "README.md").write_text(text)

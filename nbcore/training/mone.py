@@ -1,0 +1,314 @@
+"""Meta-training of MoNe on a frozen base (arXiv 2608.17616, Sec. 3.1), plus its evaluation.
+
+Trainable: only the MoNe parameters (LoRAs on the write/read projections, per-token learning-rate
+and momentum projections, read gates). The base model and W_0 stay frozen. Each step: a batch of
+RULER-style contexts of ``S`` segments (S uniform in [min_segments, max_segments], the same S for
+the whole batch) is written into fresh fast weights (the frozen forward of all segments is one
+no-grad call; the fast-weight chain is differentiable), then the query pass (question + answer,
+local positions, memory tokens) gives the answer-token generation loss (answer tokens + EOS).
+AdamW, linear warmup, cosine decay to ``min_lr_frac``, clip 1.0; checkpoint/resume from
+``run_dir/ckpt.pt``. Pure torch + transformers (``jobs/train_mone.py`` adds the optional Ray Train
+wrapper).
+
+Evaluation (``evaluate``): methods ``mone`` (ingest context -> state -> query), ``icl`` (full context
+in the prompt of the frozen base) and ``rag`` (128-token chunks, BM25 top-K via ``bm25s``, chunks
+kept in document order, then the question), greedy decoding, RULER ``string_match_all`` 0-100.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nbcore.mone.model import MoNeConfig, MoNeModel
+from nbcore.mone import state as mstate
+from nbcore.tasks import ruler
+
+TASK_ALIASES = {"s_niah": "niah_single_1", "mk_niah": "niah_multikey_1", "fwe": "fwe"}
+
+
+@dataclass
+class MetaTrainConfig:
+    tasks: tuple = ("s_niah", "mk_niah", "fwe")
+    min_segments: int = 2
+    max_segments: int = 8
+    batch_size: int = 4
+    max_steps: int = 100000
+    minutes: float = 30.0           # wall budget (stops at whichever of steps / minutes first)
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    threads: int = 1
+    ckpt_every_s: float = 120.0
+    log_every: int = 10
+    mone: MoNeConfig = field(default_factory=lambda: MoNeConfig(segment_len=128))
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+def encode_query(ex: dict, tok, with_answer: bool = True) -> tuple[list[int], int]:
+    """Query-pass ids: question (+ answer + EOS); returns (ids, index of the first answer token)."""
+    q = tok(ex["question"], add_special_tokens=False)["input_ids"]
+    if not with_answer:
+        return q, len(q)
+    a = tok(ruler.answer_text(ex["answers"]), add_special_tokens=False)["input_ids"]
+    return q + a + [tok.eos_token_id], len(q)
+
+
+def make_batch(step: int, tc: MetaTrainConfig, tok):
+    """(seg_ids [B,S,T], seg_mask [B,S,T], q_ids [B,n], ans_mask [B,n] (targets at t predict t+1), S)."""
+    T = tc.mone.segment_len
+    rng = random.Random(f"mone|{tc.seed}|{step}")
+    S = rng.randint(tc.min_segments, tc.max_segments)
+    ctxs, qs = [], []
+    for _ in range(tc.batch_size):
+        task = TASK_ALIASES.get(t := rng.choice(tc.tasks), t)
+        q_len = 60 if task == "fwe" else 40
+        ex = ruler.generate(task, S * T + q_len, rng.randrange(1 << 30), tok, seed=tc.seed, split="train")
+        ctxs.append(tok(ex["context"], add_special_tokens=False)["input_ids"][:S * T])
+        qs.append(encode_query(ex, tok))
+    S = max(math.ceil(len(c) / T) for c in ctxs)
+    seg = torch.full((tc.batch_size, S * T), tok.pad_token_id, dtype=torch.long)
+    msk = torch.zeros((tc.batch_size, S * T), dtype=torch.bool)
+    for i, c in enumerate(ctxs):
+        seg[i, :len(c)] = torch.tensor(c)
+        msk[i, :len(c)] = True
+    n = max(len(q) for q, _ in qs)
+    q_ids = torch.full((tc.batch_size, n), tok.pad_token_id, dtype=torch.long)
+    ans = torch.zeros((tc.batch_size, n), dtype=torch.bool)
+    for i, (q, a0) in enumerate(qs):
+        q_ids[i, :len(q)] = torch.tensor(q)
+        ans[i, a0 - 1:len(q) - 1] = True
+    return seg.view(-1, S, T), msk.view(-1, S, T), q_ids, ans, S
+
+
+def meta_loss(model: MoNeModel, seg, msk, q_ids, ans):
+    fast = model.write(model.fresh(seg.shape[0]), seg, msk)
+    logits = model.logits(q_ids, fast)[:, :-1]
+    tgt = q_ids[:, 1:]
+    a = ans[:, :-1]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(tgt)
+    loss = (ce * a).sum() / a.sum().clamp(min=1)
+    with torch.no_grad():
+        ok = ((logits.argmax(-1) == tgt) | ~a).all(1)
+    return loss, ok.float().mean().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# training loop
+
+def lr_at(step: int, frac: float, tc: MetaTrainConfig) -> float:
+    warm = min(1.0, (step + 1) / max(1, tc.warmup_steps))
+    cos = tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    return tc.lr * warm * cos
+
+
+def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: MetaTrainConfig,
+          log=print, report=None) -> dict:
+    """Plain meta-training loop (resumable). ``report(metrics)`` is called at each log line (Ray Train
+    passes ``ray.train.report``)."""
+    from nbcore.tasks.tokenizer import load_tokenizer
+    torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(base_dir)
+    model = MoNeModel.from_pretrained(base_dir, cfg=tc.mone)
+    params = model.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    step, elapsed, ema, history = 0, 0.0, None, []
+    ck = run_dir / "ckpt.pt"
+    if ck.exists():
+        st = torch.load(ck, weights_only=False)
+        model.mone.load_state_dict(st["mone"])
+        opt.load_state_dict(st["opt"])
+        step, elapsed, ema, history = st["step"], st["elapsed"], st["ema"], st["history"]
+        log(f"resumed from {ck} at step {step} ({elapsed:.0f}s)")
+    n_train = sum(p.numel() for p in params)
+    n_base = sum(p.numel() for p in model.base.parameters())
+    fast_per_layer = 3 * tc.mone.mem_heads * model.Fw * model.D
+    log(f"MoNe: {n_train} trainable params, base {n_base}, fast weights {fast_per_layer} x "
+        f"{model.n_layers} layers ({100 * fast_per_layer * model.n_layers / n_base:.1f}% of base)")
+    budget = tc.minutes * 60
+    t0 = time.time() - elapsed
+    last_ck = time.time()
+
+    def meta():
+        return {"train": {k: v for k, v in asdict(tc).items() if k != "mone"}, "steps": step,
+                "wall_s": round(time.time() - t0, 1), "trainable_params": n_train,
+                "base_params": n_base, "fast_weight_params_per_layer": fast_per_layer,
+                "ema": {"loss": ema[0], "tf_em": ema[1]} if ema else None}
+
+    def save():
+        torch.save({"mone": model.mone.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": time.time() - t0, "ema": ema, "history": history}, ck)
+        model.save_adapters(out_dir, meta())
+        (run_dir / "history.json").write_text(json.dumps(history))
+
+    model.mone.train()
+    while step < tc.max_steps and time.time() - t0 < budget:
+        frac = max((time.time() - t0) / budget, step / tc.max_steps)
+        seg, msk, q_ids, ans, S = make_batch(step, tc, tok)
+        lr = lr_at(step, frac, tc)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, em = meta_loss(model, seg, msk, q_ids, ans)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = float(torch.nn.utils.clip_grad_norm_(params, tc.clip))
+        opt.step()
+        step += 1
+        v = (loss.item(), em)
+        ema = v if ema is None else tuple(0.98 * e + 0.02 * x for e, x in zip(ema, v))
+        if step % tc.log_every == 0:
+            rec = {"step": step, "t": round(time.time() - t0, 1), "S": S, "loss": round(ema[0], 4),
+                   "tf_em": round(ema[1], 3), "lr": lr, "gnorm": round(gn, 3)}
+            history.append(rec)
+            log(json.dumps(rec))
+            if report is not None:
+                report(rec)
+        if time.time() - last_ck > tc.ckpt_every_s:
+            save()
+            last_ck = time.time()
+    save()
+    log(f"done: {step} steps, {time.time() - t0:.0f}s")
+    return meta()
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation and cost
+
+class PeakRSS:
+    """Peak resident set size (bytes) of this process while the block runs, sampled every 2 ms
+    from /proc/self/statm (the block's own peak, unlike ru_maxrss which is process-lifetime)."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.page = resource.getpagesize()
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def __enter__(self):
+        self.start = self._rss()
+        self.peak = self.start
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._rss())
+                time.sleep(self.interval)
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def _flops(fn):
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc:
+        out = fn()
+    return out, int(fc.get_total_flops())
+
+
+def answer_budget(tok, ex) -> int:
+    return len(tok(ruler.answer_text(ex["answers"]), add_special_tokens=False)["input_ids"]) + 2
+
+
+def rag_prompt(tok, ex, k: int, chunk: int = 128) -> list[int]:
+    """BM25 (bm25s) over ``chunk``-token chunks of the context; the top-k chunks, in document
+    order, then the question."""
+    import bm25s
+    ids = tok(ex["context"], add_special_tokens=False)["input_ids"]
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    texts = [tok.decode(c) for c in chunks]
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+    kk = min(k, len(chunks))
+    res, _ = retriever.retrieve(bm25s.tokenize([ex["question"]], stopwords="en", show_progress=False),
+                                k=kk, show_progress=False)
+    keep = sorted(int(i) for i in res[0])
+    body = [t for i in keep for t in chunks[i]]
+    return body + tok(ex["question"], add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def run_example(model: MoNeModel, tok, ex: dict, method: str, rag_k: int = 4, measure: bool = False) -> dict:
+    """One example with one method -> {"pred", "score", and (measure) cost fields}."""
+    task = ex["task"]
+    budget = answer_budget(tok, ex)
+    eos = tok.eos_token_id
+    cost: dict = {}
+    if method == "mone":
+        ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
+        q = tok(ex["question"], add_special_tokens=False)["input_ids"]
+
+        def write():
+            return mstate.finalized(model, mstate.ingest(model, ctx))
+
+        def query(fast):
+            return model.generate(q, fast, budget, eos)
+        if measure:
+            with PeakRSS() as rw:
+                fast, fw = _flops(write)
+            with PeakRSS() as rq:
+                out, fq = _flops(lambda: query(fast))
+            cost = {"write_flops": fw, "query_flops": fq, "write_peak_rss": rw.peak,
+                    "write_rss_delta": rw.peak - rw.start, "query_peak_rss": rq.peak,
+                    "query_rss_delta": rq.peak - rq.start, "context_tokens": len(ctx),
+                    "query_tokens": len(q), "memory_tokens_per_layer": len(q) + len(out) - 1 if out else len(q)}
+        else:
+            out = query(write())
+    elif method in ("icl", "rag"):
+        if method == "icl":
+            prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
+        else:
+            prompt = rag_prompt(tok, ex, rag_k)
+        if measure:
+            with PeakRSS() as rq:
+                out, fq = _flops(lambda: model.generate(prompt, None, budget, eos))
+            cost = {"write_flops": 0, "query_flops": fq, "query_peak_rss": rq.peak,
+                    "query_rss_delta": rq.peak - rq.start, "prompt_tokens": len(prompt)}
+        else:
+            out = model.generate(prompt, None, budget, eos)
+    else:
+        raise ValueError(method)
+    pred = tok.decode(out)
+    return {"pred": pred, "score": ruler.score(task, pred, ex["answers"]), **cost}
+
+
+def evaluate(model: MoNeModel, tok, task: str, length: int, n: int, method: str, seed: int = 0,
+             rag_k: int = 4, log=None) -> dict:
+    task = TASK_ALIASES.get(task, task)
+    scores, first_cost = [], None
+    t = time.time()
+    for i in range(n):
+        ex = ruler.generate(task, length, i, tok, seed=seed, split="test")
+        r = run_example(model, tok, ex, method, rag_k=rag_k, measure=(i == 0))
+        if i == 0:
+            first_cost = {k: v for k, v in r.items() if k not in ("pred", "score")}
+            first_cost["example_pred"] = r["pred"]
+            first_cost["example_answers"] = ex["answers"]
+        scores.append(r["score"])
+    out = {"score": round(sum(scores) / len(scores), 2), "n": n, "seconds": round(time.time() - t, 1),
+           "cost_first_example": first_cost}
+    if log:
+        log(json.dumps({"method": method, "task": task, "length": length, **{k: out[k] for k in ("score", "n", "seconds")}}))
+    return out
