@@ -10,14 +10,28 @@ import random
 SPECIALS = ["<pad>", "<s>", "</s>"]
 
 
+def _bytes_to_unicode() -> list[str]:
+    """The printable stand-in character of each byte 0..255 (GPT-2's byte-level mapping), in
+    byte order. (ByteLevel.alphabet() is a set: its iteration order changes between processes.)"""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]
+
+
 def byte_tokenizer():
     """Byte-level tokenizer without merges: any text, 1 token per byte, offsets supported."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for b in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(b, len(vocab))
+    for ch in _bytes_to_unicode():          # byte order: id = 3 + byte value, same in every process
+        vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

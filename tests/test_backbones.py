@@ -187,3 +187,16 @@ def test_save_and_load_checkpoint_dir(tmp_path):
     assert torch.allclose(bb.forward(bb.new_state(), ids), bb2.forward(bb2.new_state(), ids), atol=1e-6)
     assert bb.fingerprint() == bb2.fingerprint()
     assert bb2.tokenizer is not None
+
+
+def test_byte_tokenizer_ids_are_fixed():
+    """ids = 3 + byte value in every process (archives store token ids)."""
+    tok = byte_tokenizer()
+    assert tok("Hi é", add_special_tokens=False)["input_ids"] == [3 + b for b in "Hi é".encode()]
+
+
+def test_pure_recurrent_mask_does_not_grow_with_context():
+    from nbcore.backbones.hf import CountingCache
+    c = CountingCache(config=tiny_gdn_config())
+    c.n_seen = 100_000
+    assert c.get_mask_sizes(512, 0) == (512, 100_000)

@@ -50,7 +50,9 @@ class CountingCache(DynamicCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if self._has_attention():
             return super().get_mask_sizes(query_length, layer_idx)
-        return self.n_seen + query_length, 0
+        # No attention layer reads a mask over past keys: report only the current block, so the
+        # mask transformers builds is [block, block], not [block, T] (which grew with the document).
+        return query_length, self.n_seen
 
 
 class _KernelTap:

@@ -1,0 +1,41 @@
+"""CLI plumbing shared by jobs/*.py: typed config from YAML + overrides, Ray setup/cleanup, summary."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse(cls, description: str, argv=None):
+    import yaml
+
+    from pipeline.config import ConfigError, add_config_args, load_config, to_dict
+    p = add_config_args(argparse.ArgumentParser(description=description))
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(cls, args.config, args.set)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        raise SystemExit(0)
+    return cfg
+
+
+def setup(cfg):
+    from pipeline.pool import init_ray
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return init_ray(cfg.ray)
+
+
+def cleanup(started: bool):
+    import ray
+    if started and ray.is_initialized():
+        ray.shutdown()
+
+
+def emit(summary: dict) -> None:
+    """The one-line JSON summary (last line of stdout)."""
+    print(json.dumps(summary, sort_keys=False), flush=True)

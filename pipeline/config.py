@@ -1,0 +1,358 @@
+"""Typed job configs: dataclasses loaded from YAML, with `--set key.sub=value` overrides.
+
+Unknown keys and wrong types are errors (the message names the key path and the accepted keys).
+Override values are parsed as YAML scalars/flow collections: `--set read.top_r=4`,
+`--set methods=[plain,notebank]`, `--set ray.address=null`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nbcore.config import NoteBankConfig, ReadConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Job config types
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelSpec:
+    """Which frozen backbone every actor loads."""
+
+    path: str | None = None             # checkpoint directory (config.json + weights [+ tokenizer])
+    hf_config: dict | None = None       # or: transformers config kwargs incl. model_type (random init)
+    tokenizer: str | None = None        # tokenizer directory, "byte" (byte-level, ids = 3 + byte), "project"
+                                        # (nbcore.tasks.tokenizer); default: the checkpoint's own
+    seed: int = 0                       # random-init seed (hf_config only)
+    dtype: str | None = None            # float32 | bfloat16 | float16 | None (checkpoint default)
+    device: str = "auto"                # auto (cuda if the actor has a GPU) | cpu | cuda
+
+    def validate(self, where="model"):
+        if (self.path is None) == (self.hf_config is None):
+            raise ConfigError(f"{where}: set exactly one of model.path or model.hf_config")
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ConfigError(f"{where}.hf_config needs a model_type")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"{where}.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"{where}.device must be auto, cpu or cuda, got {self.device!r}")
+
+
+@dataclass
+class ActorSpec:
+    """Actor pool shape and fault tolerance."""
+
+    num_actors: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    accelerator_type: str | None = None  # e.g. H100, H200 (Ray accelerator type)
+    torch_threads: int = 0               # 0: max(1, int(num_cpus))
+    max_restarts: int = 3                # actor restarts after its process dies
+    max_task_retries: int = 3            # per-call retries on a restarted actor
+    max_in_flight: int = 2               # calls queued per actor (bounded: driver memory stays flat)
+    start_timeout_s: float = 900.0       # give up if the actors cannot be placed/loaded within this
+
+    def validate(self, where="actors"):
+        if self.num_actors < 1:
+            raise ConfigError(f"{where}.num_actors must be >= 1")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ConfigError(f"{where}: num_cpus/num_gpus must be >= 0")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"{where}.max_in_flight must be >= 1")
+
+
+@dataclass
+class RaySpec:
+    address: str | None = None   # None: $RAY_ADDRESS if set (ray job submit sets it), else a new local Ray
+    num_cpus: int | None = None  # only for a new local Ray
+    namespace: str | None = None
+
+
+@dataclass
+class IngestJobConfig:
+    """jobs/ingest.py"""
+
+    corpus: str = ""                       # fsspec URL/path: a file, a folder or a glob of .jsonl/.parquet shards
+    output: str = ""                       # fsspec URL/path of the archive folder
+    model: ModelSpec = field(default_factory=ModelSpec)
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
+    block_size: int = 8192                 # tokens per forward block (memory does not grow with doc length)
+    actors: ActorSpec = field(default_factory=ActorSpec)
+    ray: RaySpec = field(default_factory=RaySpec)
+    limit: int | None = None               # ingest at most this many corpus rows
+    progress: bool = True
+
+    def validate(self):
+        if not self.corpus:
+            raise ConfigError("corpus is required (--set corpus=URL)")
+        if not self.output:
+            raise ConfigError("output is required (--set output=URL)")
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        self.model.validate()
+        self.actors.validate()
+        try:
+            self.notebank.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return self
+
+
+@dataclass
+class QueryJobConfig:
+    """jobs/query.py"""
+
+    questions: str = ""                   # fsspec URL/path of question shards (.jsonl/.parquet)
+    archive: str = ""                     # an ingest output folder
+    output: str = ""                      # answers Parquet file URL
+    model: ModelSpec = field(default_factory=ModelSpec)
+    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
+    read: ReadConfig = field(default_factory=ReadConfig)   # shared settings; `method` is set per method
+    actors: ActorSpec = field(default_factory=ActorSpec)
+    ray: RaySpec = field(default_factory=RaySpec)
+    progress: bool = True
+
+    def validate(self):
+        for name in ("questions", "archive", "output"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} is required (--set {name}=URL)")
+        if not self.methods:
+            raise ConfigError("methods must not be empty")
+        if "jrt" in self.methods:
+            raise ConfigError("method jrt re-reads the context, which an archive does not keep: use the one-pass "
+                              "mode (pipeline.onepass) for jrt")
+        self.model.validate()
+        self.actors.validate()
+        for cfg in self.read_configs():
+            try:
+                cfg.validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        return self
+
+    def read_configs(self) -> list[ReadConfig]:
+        return [dataclasses.replace(self.read, method=m) for m in self.methods]
+
+
+@dataclass
+class DemoConfig:
+    """jobs/run_demo.py: generated corpus -> ingest -> batch QA, all on embedded defaults."""
+
+    workdir: str | None = None            # default: a fresh temporary folder
+    n_docs: int = 4
+    doc_tokens: int = 6000                 # haystack length per document (byte tokenizer: 1 char = 1 token)
+    questions_per_doc: int = 2
+    seed: int = 0
+    model: ModelSpec = field(default_factory=lambda: ModelSpec(hf_config=dict(TINY_GDN), tokenizer="byte", device="cpu"))
+    block_size: int = 8192
+    notebank: NoteBankConfig = field(default_factory=lambda: NoteBankConfig(chunk_size=256, note_budget=48, tail=16))
+    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
+    read: ReadConfig = field(default_factory=lambda: ReadConfig(max_new_tokens=12, top_r=2))
+    actors: ActorSpec = field(default_factory=ActorSpec)
+    ray: RaySpec = field(default_factory=RaySpec)
+    progress: bool = True
+
+    def validate(self):
+        if self.n_docs < 1 or self.doc_tokens < 1 or self.questions_per_doc < 1:
+            raise ConfigError("n_docs, doc_tokens and questions_per_doc must be >= 1")
+        self.model.validate()
+        self.actors.validate()
+        self.notebank.validate()
+        for m in self.methods:
+            ReadConfig(method=m).validate()
+        return self
+
+
+# A tiny all-linear-attention Qwen3.5 text config (random init): runs everywhere in seconds.
+TINY_GDN = dict(
+    model_type="qwen3_5_text", vocab_size=262, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    layer_types=["linear_attention", "linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader
+# ---------------------------------------------------------------------------------------------
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, path: str):
+    """Check/convert `value` against annotation `tp`; raise ConfigError with the key path."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} does not match {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__} {value!r}")
+        return build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected a bool, got {type(value).__name__} {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an int, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str) and origin is tuple:
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        items = [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    raise ConfigError(f"{path}: unsupported config type {_type_name(tp)}")
+
+
+def build(cls, data: dict, path: str = ""):
+    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = path or cls.__name__
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {names}")
+    base = cls()
+    kwargs = {}
+    for name in names:
+        sub = f"{path}.{name}" if path else name
+        if name in data:
+            cur = getattr(base, name)
+            val = data[name]
+            if dataclasses.is_dataclass(cur) and isinstance(val, dict):
+                # merge into the default (keeps defaults of nested keys not given)
+                merged = {**_shallow(cur), **val}
+                kwargs[name] = build(type(cur), merged, sub)
+            else:
+                kwargs[name] = _coerce(val, hints[name], sub)
+    try:
+        return dataclasses.replace(base, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from e
+
+
+def _shallow(dc) -> dict:
+    return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if f.init}
+
+
+def to_dict(dc) -> dict:
+    out = {}
+    for f in dataclasses.fields(dc):
+        v = getattr(dc, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """['a.b=1', 'c=[x,y]'] -> {'a': {'b': 1}, 'c': ['x', 'y']}"""
+    out: dict = {}
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not key=value")
+        key, raw = ov.split("=", 1)
+        key = key.strip()
+        if not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override {ov!r} has an empty key")
+        try:
+            val = yaml.safe_load(raw) if raw.strip() != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {ov!r}: value is not valid YAML: {e}") from e
+        if isinstance(val, str) and raw.strip() != raw:
+            val = raw
+        d = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = d.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {ov!r} conflicts with an earlier override of {p!r}")
+            d = nxt
+        d[parts[-1]] = val
+    return out
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
+    """YAML file (optional) + overrides -> validated `cls` instance."""
+    data: dict = {}
+    if path:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path} not found") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    data = _deep_merge(data, parse_overrides(overrides or []))
+    # Optional model.hf_config etc. are plain dicts: overrides into them merge, which _deep_merge did.
+    cfg = build(cls, data)
+    if hasattr(cfg, "validate"):
+        try:
+            cfg.validate()
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    return cfg
+
+
+def add_config_args(parser):
+    parser.add_argument("--config", "-c", help="YAML config file")
+    parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (dotted path), value parsed as YAML; repeatable")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser

@@ -1,0 +1,155 @@
+"""Batch QA over an ingest output: questions grouped by document, each group answered by one
+state-holding actor that loads the document's state and notes once (every answer works on its own
+copy of the state), every configured method per question. Output: answers Parquet (schemas.answers)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+
+from nbcore.config import ReadConfig
+from pipeline.config import QueryJobConfig
+from pipeline.corpus import read_questions
+from pipeline.pool import dispatch, start_workers, stop_workers
+from pipeline.store import ArchiveStore, FingerprintMismatch, doc_key, is_process_local
+from pipeline.worker import _rc_json
+from schemas._base import table_to_parquet_bytes
+from schemas.answers import answers_table
+
+
+def score_fn():
+    """-> (fn(prediction, references) -> 0..100, metric name). RULER's string_match_all from
+    nbcore.tasks.ruler when that module exists, else the same rule implemented here."""
+    try:
+        from nbcore.tasks import ruler
+    except ImportError:
+        return substring_score, "substring_match_all"
+    if hasattr(ruler, "string_match_all"):
+        return (lambda p, refs: float(ruler.string_match_all([p or ""], [list(refs)]))), "nbcore.tasks.ruler.string_match_all"
+    return (lambda p, refs: float(ruler.score("niah_single_1", p or "", refs))), "nbcore.tasks.ruler.score"
+
+
+def substring_score(prediction: str, references: list[str]) -> float:
+    """Mean over references of case-insensitive substring presence, x100 (RULER string_match_all)."""
+    if not references:
+        return 0.0
+    p = (prediction or "").lower()
+    return round(100.0 * sum(r.lower() in p for r in references) / len(references), 2)
+
+
+def _rc_dict(rc) -> dict:
+    d = dataclasses.asdict(rc)
+    d["stop"] = tuple(d.get("stop") or ())
+    return d
+
+
+def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
+    cfg.validate()
+    t_start = time.perf_counter()
+    store = ArchiveStore(cfg.archive)
+    run = store.read_run()
+    if run is None:
+        raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no {store.url_of(store.REL_RUN)})")
+    questions, rejected = read_questions(cfg.questions)
+    groups: "OrderedDict[str, list]" = OrderedDict()
+    for q in questions:
+        groups.setdefault(q["doc_id"], []).append(q)
+    rcs = cfg.read_configs()
+    rc_dicts = [_rc_dict(rc) for rc in rcs]
+    inline = is_process_local(cfg.archive)
+    own = workers is None
+    handles, infos = workers if workers is not None else start_workers(cfg.model, cfg.actors)
+    rows: list[dict] = []
+    try:
+        for what, mine in (("model", infos[0]["fingerprint"]), ("tokenizer", infos[0].get("tokenizer"))):
+            theirs = run["fingerprint"].get(what)
+            if mine != theirs:
+                raise FingerprintMismatch(
+                    f"{store.url_of(store.REL_RUN)}: archives were written with {what} {theirs!r}, but the "
+                    f"configured {what} is {mine!r}")
+        bar = _bar(cfg.progress, len(questions))
+
+        def tasks():
+            for doc_id, qs in groups.items():
+                key, kerr = doc_key(doc_id)
+                rec = store.load_record(key) if key else None
+                if rec is None or rec.status != "ok":
+                    why = kerr or (f"document {doc_id!r} is not archived in {cfg.archive}" if rec is None
+                                   else f"document {doc_id!r} failed at ingest: {rec.error}")
+                    rows.extend(_fail(q, rc, why) for q in qs for rc in rc_dicts)
+                    bar.update(len(qs))
+                    continue
+                doc = {"payload": store.document_payload(key)} if inline else {"archive": cfg.archive, "key": key}
+                yield {"doc": doc, "questions": [{k: q[k] for k in ("question_id", "doc_id", "question", "answers")}
+                                                 for q in qs]}
+
+        def submit(actor, t):
+            return actor.answer_doc.remote(t["doc"], t["questions"], rc_dicts)
+
+        def on_done(t, res, err):
+            if err is not None:
+                res = [_fail(q, rc, f"worker failed: {type(err).__name__}: {str(err)[:500]}")
+                       for q in t["questions"] for rc in rc_dicts]
+            rows.extend(res)
+            bar.update(len(t["questions"]))
+
+        dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
+        bar.close()
+    finally:
+        if own:
+            stop_workers(handles)
+    for r in rejected:
+        rows.append({"question_id": str(r.get("question_id") or f"<row {r['source']['row']}>"),
+                     "doc_id": str(r.get("doc_id") or ""), "method": "-", "read_config": "{}",
+                     "status": "failed", "error": f"bad question row ({r['source']['shard']}:{r['source']['row']}): "
+                                                  f"{r['error']}"})
+    fn, metric = score_fn()
+    for r in rows:
+        r.pop("trace", None)
+        if r.get("status") == "ok" and r.get("answers"):
+            r["score"] = float(fn(r["answer"], r["answers"]))
+    rows.sort(key=lambda r: (r["doc_id"], r["question_id"], r["method"]))
+    table = answers_table(rows)
+    data = table_to_parquet_bytes(table)
+    _write_atomic(cfg.output, data)
+    by_q: dict[str, bool] = {}
+    for r in rows:
+        by_q[r["question_id"]] = by_q.get(r["question_id"], True) and r["status"] == "ok"
+    scored = [r["score"] for r in rows if r.get("score") is not None]
+    per_method = {}
+    for r in rows:
+        if r.get("score") is not None:
+            per_method.setdefault(r["method"], []).append(r["score"])
+    return {"questions_ok": sum(by_q.values()), "questions_failed": sum(not v for v in by_q.values()),
+            "rows": len(rows), "wall_s": round(time.perf_counter() - t_start, 3), "output": cfg.output,
+            "metric": metric if scored else None,
+            "mean_score": {m: round(sum(v) / len(v), 4) for m, v in sorted(per_method.items())}}
+
+
+def _fail(q, rc, why):
+    return {"question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc["method"],
+            "read_config": _rc_json(ReadConfig(**rc)), "status": "failed", "error": why, "answers": q.get("answers")}
+
+
+def _write_atomic(url: str, data: bytes) -> None:
+    import posixpath
+    import uuid
+
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(posixpath.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+
+
+class _NoBar:
+    def update(self, n=1): pass
+    def close(self): pass
+
+
+def _bar(enabled, total):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, unit="q", desc="query", mininterval=1.0, dynamic_ncols=True)

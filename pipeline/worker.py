@@ -1,0 +1,225 @@
+"""The Ray actor body: one loaded, frozen backbone per actor; ingest / answer / one-pass calls.
+
+Plain class (Ray wraps it in pipeline.pool), so it is also usable and testable without Ray.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from nbcore.config import NoteBankConfig, ReadConfig
+from pipeline import archive_io
+from pipeline.store import ArchiveError, ArchiveStore, FingerprintMismatch
+from schemas._base import SchemaError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_tokenizer(spec):
+    if spec is None:
+        return None
+    if spec == "byte":
+        return byte_tokenizer()
+    if spec == "project":
+        from nbcore.tasks.tokenizer import load_tokenizer
+        return load_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(spec)
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer, ids = 3 + byte value (after <pad>, <s>, </s>): 262 entries, any text.
+
+    Same layout as nbcore.testing.byte_tokenizer, but with a FIXED id order: `ByteLevel.alphabet()`
+    comes back in a different order in every process, which would make archives differ run to run."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    # GPT-2 byte -> printable unicode map (the one ByteLevel uses), in byte order.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_to_char = dict(zip(bs, map(chr, cs)))
+    vocab = {t: i for i, t in enumerate(specials)}
+    for b in range(256):
+        vocab[byte_to_char[b]] = len(vocab)
+    assert set(vocab) - set(specials) == set(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def build_backbone(model: dict):
+    """ModelSpec (as a dict) -> nbcore Backbone."""
+    from transformers import AutoConfig
+
+    from nbcore import load_backbone
+    device = model.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES.get(model.get("dtype")) if model.get("dtype") else None
+    tok = build_tokenizer(model.get("tokenizer"))
+    if model.get("path"):
+        target = model["path"]
+    else:
+        kw = dict(model["hf_config"])
+        target = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    bb = load_backbone(target, tokenizer=tok, device=device, dtype=dtype, seed=int(model.get("seed", 0)))
+    bb.model.eval()
+    for p in bb.model.parameters():
+        p.requires_grad_(False)
+    return bb
+
+
+def tokenizer_fingerprint(tok) -> str | None:
+    """Hash of the tokenizer's vocabulary and specials (archives store token ids: they depend on it)."""
+    if tok is None:
+        return None
+    import hashlib
+    blob = json.dumps({"vocab": sorted(tok.get_vocab().items()), "specials": tok.special_tokens_map,
+                       "class": type(tok).__name__}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class NoteBankWorker:
+    def __init__(self, model: dict, torch_threads: int = 1):
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.model_spec = model
+        self.bb = build_backbone(model)
+        self.fp = self.bb.fingerprint()
+        self.tokenizer_fp = tokenizer_fingerprint(self.bb.tokenizer)
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "fingerprint": self.fp, "tokenizer": self.tokenizer_fp, "family": self.bb.family,
+                "n_channels": self.bb.n_channels, "device": str(self.bb.device),
+                "has_tokenizer": self.bb.tokenizer is not None}
+
+    # ---- ingest ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def ingest_doc(self, task: dict, nb: dict, block_size: int) -> dict:
+        """task: {doc_id, text}. -> {ok, error | notes, state, n_tokens, n_notes, n_archived_tokens, timings}."""
+        from nbcore import ingest
+        cfg = NoteBankConfig(**nb)
+        t0 = time.perf_counter()
+        try:
+            res = ingest(self.bb, task["text"], cfg, block_size=block_size)
+        except ValueError as e:       # empty document, tokenizer problems: a property of the input
+            return {"ok": False, "error": _err(e)}
+        t1 = time.perf_counter()
+        notes = archive_io.archive_to_notes_bytes(task["doc_id"], res.archive, self.bb.n_channels)
+        state = archive_io.state_to_bytes(self.bb.state_to_tensors(res.state), doc_id=task["doc_id"],
+                                          model_fingerprint=self.fp)
+        timings = {k: float(v) for k, v in res.timings.items()}
+        timings.update(ingest_s=t1 - t0, serialize_s=time.perf_counter() - t1)
+        return {"ok": True, "notes": notes, "state": state, "n_tokens": int(res.n_tokens),
+                "n_notes": len(res.archive), "n_archived_tokens": int(res.archive.n_archived_tokens),
+                "timings": timings}
+
+    @torch.no_grad()
+    def prefill_doc(self, text: str, nb: dict, block_size: int) -> dict:
+        """Plain prefill of the same document through the same blocks (benchmark baseline)."""
+        from nbcore import ingest
+        t0 = time.perf_counter()
+        res = ingest(self.bb, text, NoteBankConfig(**nb), block_size=block_size, write=False)
+        return {"n_tokens": int(res.n_tokens), "wall_s": time.perf_counter() - t0}
+
+    # ---- query ----------------------------------------------------------------------------------
+    def load_document(self, doc: dict):
+        """doc: {"payload": {...}} (bytes shipped by the driver) or {"archive": url, "key": key}."""
+        payload = doc.get("payload") or ArchiveStore(doc["archive"]).document_payload(doc["key"])
+        archive = archive_io.notes_bytes_to_archive(payload["notes"], payload["notes_url"], expect_model=self.fp)
+        tensors = archive_io.bytes_to_state_tensors(payload["state"], payload["state_url"], expect_model=self.fp)
+        try:
+            state = self.bb.state_from_tensors(tensors)
+        except Exception as e:
+            raise ArchiveError(f"{payload['state_url']}: state does not fit this model: {_err(e)}") from e
+        return state, archive
+
+    @torch.no_grad()
+    def answer_doc(self, doc: dict, questions: list[dict], read_cfgs: list[dict]) -> list[dict]:
+        """Load one document's state and notes once, answer all its questions with every method."""
+        rcs = [ReadConfig(**rc) for rc in read_cfgs]
+        t0 = time.perf_counter()
+        try:
+            state, archive = self.load_document(doc)
+        except (ArchiveError, FingerprintMismatch, SchemaError) as e:
+            return [_failed_row(q, rc, _err(e)) for q in questions for rc in rcs]
+        load_s = time.perf_counter() - t0
+        rows = []
+        for q in questions:
+            for rc in rcs:
+                rows.append(self._answer_one(state, archive, q, rc, load_s=load_s))
+        return rows
+
+    def _answer_one(self, state, archive, q: dict, rc: ReadConfig, context_ids=None, **extra) -> dict:
+        from nbcore import answer
+        t0 = time.perf_counter()
+        try:
+            if rc.method == "jrt" and context_ids is None:
+                raise ValueError("jrt re-reads the context, which is not persisted: use the one-pass mode")
+            a = answer(self.bb, state, archive, q["question"], rc, answers=q.get("answers"), context_ids=context_ids)
+        except Exception as e:  # one bad question must not sink the document
+            row = _failed_row(q, rc, _err(e))
+            row["trace"] = traceback.format_exc(limit=3)
+            return row
+        return {
+            "question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc.method,
+            "read_config": _rc_json(rc), "status": "ok", "error": None, "answer": a.text,
+            "token_ids": [int(t) for t in a.token_ids], "retrieved": [int(i) for i in a.retrieved],
+            "votes": [float(v) for v in a.votes], "replay_len": int(a.replay_len),
+            "probe_s": float(a.timings.get("probe_s", 0.0)), "route_s": float(a.timings.get("route_s", 0.0)),
+            "replay_generate_s": float(a.timings.get("replay_generate_s", 0.0)),
+            "total_s": time.perf_counter() - t0, "answers": q.get("answers"), **extra,
+        }
+
+    # ---- one pass (evaluation sweeps) -------------------------------------------------------------
+    @torch.no_grad()
+    def onepass(self, example: dict, nb_cfgs: list[dict], read_cfgs: list[dict], block_size: int) -> list[dict]:
+        """Ingest one example's context (per NoteBank config) and answer its questions; nothing persisted."""
+        from nbcore import ingest
+        rows = []
+        rcs = [ReadConfig(**rc) for rc in read_cfgs]
+        questions = [{**q, "doc_id": example["doc_id"]} for q in example["questions"]]
+        for nbd in nb_cfgs:
+            nb = NoteBankConfig(**nbd)
+            t0 = time.perf_counter()
+            try:
+                res = ingest(self.bb, example["text"], nb, block_size=block_size)
+            except Exception as e:
+                rows += [{**_failed_row(q, rc, _err(e)), "notebank": json.dumps(nbd, sort_keys=True)}
+                         for q in questions for rc in rcs]
+                continue
+            ingest_s = time.perf_counter() - t0
+            for q in questions:
+                for rc in rcs:
+                    row = self._answer_one(res.state, res.archive, q, rc, context_ids=res.token_ids)
+                    row.update(notebank=json.dumps(nbd, sort_keys=True), n_tokens=int(res.n_tokens),
+                               n_notes=len(res.archive), ingest_s=ingest_s)
+                    rows.append(row)
+        return rows
+
+
+def _rc_json(rc: ReadConfig) -> str:
+    d = dict(rc.__dict__)
+    d["stop"] = list(d.get("stop") or ())
+    return json.dumps(d, sort_keys=True)
+
+
+def _failed_row(q: dict, rc: ReadConfig, error: str) -> dict:
+    return {"question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc.method,
+            "read_config": _rc_json(rc), "status": "failed", "error": error, "answers": q.get("answers")}

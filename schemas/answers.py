@@ -1,0 +1,46 @@
+"""Answers Parquet: one row per (question, method)."""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from schemas._base import check_table, with_meta
+
+NAME = "answers"
+VERSION = 1
+
+
+def answers_schema() -> pa.Schema:
+    f = pa.field
+    return with_meta(pa.schema([
+        f("question_id", pa.string(), nullable=False),
+        f("doc_id", pa.string(), nullable=False),
+        f("method", pa.string(), nullable=False),
+        f("read_config", pa.string(), nullable=False),     # JSON of the ReadConfig used
+        f("status", pa.string(), nullable=False),           # ok | failed
+        f("error", pa.string()),
+        f("answer", pa.string()),
+        f("token_ids", pa.list_(pa.int32())),
+        f("retrieved", pa.list_(pa.int64())),                # note indices, document order
+        f("votes", pa.list_(pa.float64())),                  # router score per retrieved note (channel votes for native)
+        f("replay_len", pa.int64()),
+        f("probe_s", pa.float64()),
+        f("route_s", pa.float64()),
+        f("replay_generate_s", pa.float64()),
+        f("total_s", pa.float64()),
+        f("answers", pa.list_(pa.string())),                 # references, when given
+        f("score", pa.float64()),                            # 0..100, when references given
+    ]), NAME, VERSION, {"score.metric": "RULER string_match_all x100 (nbcore.tasks.ruler when present)"})
+
+
+COLUMNS = answers_schema().names
+
+
+def answers_table(rows: list[dict]) -> pa.Table:
+    schema = answers_schema()
+    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=schema)
+    validate_answers_table(table)
+    return table
+
+
+def validate_answers_table(table: pa.Table, where: str = "answers table") -> None:
+    check_table(table, answers_schema(), where)
