@@ -275,16 +275,18 @@ def _shallow(dc) -> dict:
     return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if f.init}
 
 
+def _plain(v):
+    if dataclasses.is_dataclass(v):
+        return to_dict(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 def to_dict(dc) -> dict:
-    out = {}
-    for f in dataclasses.fields(dc):
-        v = getattr(dc, f.name)
-        if dataclasses.is_dataclass(v):
-            v = to_dict(v)
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
-    return out
+    return {f.name: _plain(getattr(dc, f.name)) for f in dataclasses.fields(dc)}
 
 
 def parse_overrides(overrides: list[str]) -> dict:

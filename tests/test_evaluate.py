@@ -73,3 +73,11 @@ def test_sweep_runs_resumes_and_reports(ray_session, tmp_path):
     assert set(summary) == {"rand-gdn/plain/1K", "rand-gdn/nb-tf-top2/1K", "rand-gdn/nb-oracle-top2/1K"}
     again = run_sweep(cfg)
     assert again["cells_skipped"] == 4 and again["cells_run"] == 0
+
+
+@pytest.mark.parametrize("name", ["eval_smoke", "eval_ruler"])
+def test_shipped_eval_configs_load(name):
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    cfg = load_config(EvalJobConfig, path).validate()
+    assert cfg.backbones and f"python jobs/evaluate.py -c configs/{name}.yaml" in path.read_text()
