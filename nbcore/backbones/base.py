@@ -106,22 +106,34 @@ class Backbone:
         return next(self.model.parameters()).device
 
     def fingerprint(self) -> str:
-        """Hash of the model config and the channel layout (an archive is only valid for it)."""
-        cfg = self.model.config.to_dict()
+        """Hash of the model config, weights and channel layout (an archive is only valid for it).
+        Cached: the backbone is frozen (read adapters do not count: they are off while writing)."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self.__dict__["_fingerprint"] = self._compute_fingerprint()
+        return fp
+
+    def _compute_fingerprint(self) -> str:
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        cfg = model.config.to_dict()
         for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"):
             cfg.pop(k, None)
         blob = json.dumps(
             {"family": self.family, "config": cfg, "rec_layers": self.rec_layers,
              "heads": self.heads_per_layer, "key_dim": self.key_dim,
-             "weights": self._weights_digest()},
+             "weights": self._weights_digest(model)},
             sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
-    def _weights_digest(self) -> str:
+    @staticmethod
+    def _weights_digest(model) -> str:
         # Cheap, deterministic digest of the weights (a few values from every tensor), so that two
         # random-init models of the same config do not share archives.
         h = hashlib.sha256()
-        for name, p in sorted(self.model.state_dict().items()):
+        for name, p in sorted(model.state_dict().items()):
+            if "lora_" in name:            # read adapters never touch what the archive depends on
+                continue
+            name = name.replace(".base_layer.", ".")
             flat = p.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 16)][:16].float().cpu().numpy().tobytes()
             h.update(name.encode())
