@@ -264,18 +264,18 @@ def run_example(model: MoNeModel, tok, ex: dict, method: str, rag_k: int = 4, me
             return mstate.finalized(model, mstate.ingest(model, ctx))
 
         def query(fast):
-            return model.generate(q, fast, budget, eos)
+            return model.generate(q, fast, budget, eos, return_cache=True)
         if measure:
             with PeakRSS() as rw:
                 fast, fw = _flops(write)
             with PeakRSS() as rq:
-                out, fq = _flops(lambda: query(fast))
+                (out, cache), fq = _flops(lambda: query(fast))
             cost = {"write_flops": fw, "query_flops": fq, "write_peak_rss": rw.peak,
                     "write_rss_delta": rw.peak - rw.start, "query_peak_rss": rq.peak,
                     "query_rss_delta": rq.peak - rq.start, "context_tokens": len(ctx),
-                    "query_tokens": len(q), "memory_tokens_per_layer": len(q) + len(out) - 1 if out else len(q)}
+                    "query_tokens": len(q), "memory_tokens_per_layer": cache.n_entries(0) // 2}
         else:
-            out = query(write())
+            out, _ = query(write())
     elif method in ("icl", "rag"):
         if method == "icl":
             prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
@@ -312,3 +312,150 @@ def evaluate(model: MoNeModel, tok, task: str, length: int, n: int, method: str,
     if log:
         log(json.dumps({"method": method, "task": task, "length": length, **{k: out[k] for k in ("score", "n", "seconds")}}))
     return out
+
+
+@torch.no_grad()
+def answer_nll(model: MoNeModel, tok, ex: dict, method: str) -> float:
+    """Teacher-forced mean CE (nats) of the answer tokens + EOS: ``mone`` (query pass reading the
+    context's fast weights), ``question`` (same query pass, no memory, no context: the floor that
+    shows whether memory carries information), ``icl`` (full context in the prompt)."""
+    q, a0 = encode_query(ex, tok)
+    if method == "icl":
+        ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
+        ids, a0, fast = ctx + q, a0 + len(ctx), None
+    else:
+        ids = q
+        fast = None
+        if method == "mone":
+            ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
+            fast = mstate.finalized(model, mstate.ingest(model, ctx))
+    x = torch.tensor([ids])
+    logits = model.logits(x, fast)[0, a0 - 1:-1]
+    return float(F.cross_entropy(logits, x[0, a0:]))
+
+
+def diagnostics(model: MoNeModel, tok, task: str, length: int, n: int, methods=("mone", "question", "icl"),
+                seed: int = 0) -> dict:
+    task = TASK_ALIASES.get(task, task)
+    out = {}
+    for m in methods:
+        vals = [answer_nll(model, tok, ruler.generate(task, length, i, tok, seed=seed, split="test"), m)
+                for i in range(n)]
+        out[m] = round(sum(vals) / len(vals), 4)
+    return out
+
+
+def rag_recall(tok, task: str, length: int, n: int, k: int, seed: int = 0) -> float:
+    """Share (0-100) of answers present in the BM25 top-k chunks (what RAG's reader could see)."""
+    task = TASK_ALIASES.get(task, task)
+    hits = 0.0
+    for i in range(n):
+        ex = ruler.generate(task, length, i, tok, seed=seed, split="test")
+        text = tok.decode(rag_prompt(tok, ex, k))
+        hits += sum(a in text for a in ex["answers"]) / len(ex["answers"])
+    return round(100 * hits / n, 2)
+
+
+@torch.no_grad()
+def retention_probe(model: MoNeModel, tok, length: int = 8192, n: int = 5, seed: int = 0,
+                    checkpoints=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    """How well the fast weights still map the needle's keys to its values as more segments are
+    written: mean over layers, heads and needle tokens of cos(M(k_j; W_s), v_j), after s segments
+    (the needle is moved into segment 1). ``unwritten``: the same score for the needle tokens of
+    another example that was never written (chance level)."""
+    from nbcore.mone import memory as mem
+    T = model.cfg.segment_len
+    curves, chance = [], []
+    for i in range(n):
+        ex = ruler.generate("niah_single_1", length, i, tok, seed=seed, split="test")
+        a, b = ex["needle_spans"][0]
+        needle = tok(ex["context"][a:b], add_special_tokens=False)["input_ids"]
+        ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
+        ctx = needle + ctx[:T - len(needle)] + ctx[T - len(needle):]
+        S = len(ctx) // T
+        seg = torch.tensor(ctx[:S * T]).view(1, S, T)
+        xs = model.segment_inputs(seg.view(S, T))
+        fast = model.fresh(1)
+        nmask = torch.zeros(1, T, dtype=torch.bool)
+        nmask[0, :len(needle)] = True
+        curve = {}
+        for s in range(S):
+            fast = [model.layer_write(l, fast[l], xs[l][s:s + 1], torch.ones(1, T, dtype=torch.bool))
+                    for l in range(model.n_layers)]
+            if s + 1 in checkpoints:
+                cs = []
+                for l in range(model.n_layers):
+                    k, v, _, _ = model.write_inputs(l, xs[l][0:1], nmask)
+                    out = mem.swiglu_forward(k, fast[l].w_in, fast[l].w_gate, fast[l].w_out)
+                    cs.append(F.cosine_similarity(out, v, dim=-1)[0, :len(needle)].mean())
+                curve[s + 1] = float(torch.stack(cs).mean())
+        curves.append(curve)
+        # chance: the next example's needle tokens read from this example's final state
+        ex2 = ruler.generate("niah_single_1", 1024, 10_000 + i, tok, seed=seed, split="test")
+        a, b = ex2["needle_spans"][0]
+        nd2 = tok(ex2["context"][a:b], add_special_tokens=False)["input_ids"]
+        xs2 = model.segment_inputs(torch.tensor([nd2]))
+        cs = []
+        for l in range(model.n_layers):
+            k, v, _, _ = model.write_inputs(l, xs2[l], torch.ones(1, len(nd2), dtype=torch.bool))
+            out = mem.swiglu_forward(k, fast[l].w_in, fast[l].w_gate, fast[l].w_out)
+            cs.append(F.cosine_similarity(out, v, dim=-1).mean())
+        chance.append(float(torch.stack(cs).mean()))
+    keys = sorted(set.intersection(*[set(c) for c in curves]))
+    return {"after_segments": {str(k): round(sum(c[k] for c in curves) / n, 4) for k in keys},
+            "unwritten": round(sum(chance) / n, 4), "n": n, "length": length}
+
+
+def copy_sanity(base_dir, steps: int = 150, batch: int = 8, segments: int = 2, seed: int = 0,
+                cfg: MoNeConfig | None = None, log=None, eval_segments=(2, 16)) -> dict:
+    """End-to-end check that information flows context -> fast weights -> memory tokens -> answer
+    and that the meta-parameters can learn to use it, independently of the base's own retrieval
+    skill: the context is S segments in which half the tokens are one digit c (the rest random
+    tokens); the query is a fixed question; the answer is c. A fresh MoNe is meta-trained for
+    ``steps`` steps; returns answer CE / accuracy before and after on 64 held-out contexts, with
+    and without memory (chance CE = ln 10), for contexts of each of ``eval_segments`` segments
+    (training uses ``segments``; 16 = 8x the training length)."""
+    from nbcore.tasks.tokenizer import load_tokenizer
+    tok = load_tokenizer(base_dir)
+    model = MoNeModel.from_pretrained(base_dir, cfg=cfg or MoNeConfig(segment_len=128))
+    T = model.cfg.segment_len
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    q = tok("\nWhat is the special magic number? The special magic number is", add_special_tokens=False)["input_ids"]
+    sp_digits = [tok(" " + str(d), add_special_tokens=False)["input_ids"][-1] for d in range(10)]
+
+    def batch_of(g: torch.Generator, b: int, S: int = segments):
+        c = torch.randint(0, 10, (b,), generator=g)
+        ctx = torch.randint(4, len(tok), (b, S * T), generator=g)
+        put = torch.rand(b, S * T, generator=g) < 0.5
+        ctx = torch.where(put, torch.tensor(digits)[c].unsqueeze(1), ctx)
+        ids = torch.tensor([q + [0]] * b)
+        ids[:, -1] = torch.tensor(sp_digits)[c]
+        return ctx.view(b, S, T), ids
+
+    def score(use_memory: bool, S: int = segments):
+        g = torch.Generator().manual_seed(10_000 + seed)
+        ctx, ids = batch_of(g, 64, S)
+        with torch.no_grad():
+            fast = model.write(model.fresh(64), ctx, torch.ones_like(ctx, dtype=torch.bool)) if use_memory else None
+            lg = model.logits(ids, fast)[:, -2]
+        return {"ce": round(float(F.cross_entropy(lg, ids[:, -1])), 4),
+                "acc": round(float((lg.argmax(-1) == ids[:, -1]).float().mean()), 4)}
+
+    before = {"memory": score(True), "no_memory": score(False)}
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ctx, ids = batch_of(g, batch)
+        fast = model.write(model.fresh(batch), ctx, torch.ones_like(ctx, dtype=torch.bool))
+        loss = F.cross_entropy(model.logits(ids, fast)[:, -2], ids[:, -1])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 1.0)
+        opt.step()
+        if log and (step + 1) % 25 == 0:
+            log(f"copy_sanity step {step + 1} loss {loss.item():.3f}")
+    after = {"memory": score(True), "no_memory": score(False)}
+    for S in eval_segments:
+        after[f"memory_{S}_segments"] = score(True, S)
+    return {"steps": steps, "batch": batch, "segments": segments, "chance_ce": round(math.log(10), 4),
+            "before": before, "after": after}
