@@ -41,11 +41,11 @@ On/off switch: the same one the query job uses. `Backbone.forward` runs the mode
 `disable_adapter()` unless inside `Backbone.reading()` (context processing and retrieval: off;
 replay, question, generation: on).
 
-Archive compatibility: archives record `Backbone.fingerprint()`, a digest of the base weights.
-peft renames the state dict (and adds adapter tensors), which would change that digest although
-writing never uses the adapters; `attach_adapter`/`load_adapter` therefore pin the backbone's
-digest to its *base* weights (`base_weights_digest`), so archives written without adapters stay
-valid for NB-LoRA reading (and vice versa).
+Archive compatibility: archives record `Backbone.fingerprint()`, which covers the base weights.
+peft renames the state dict (and adds adapter tensors), which could change that value although
+writing never uses the adapters; `attach_adapter`/`load_adapter` therefore freeze the backbone's
+fingerprint at its adapter-free value, so archives written without adapters stay valid for NB-LoRA
+reading (and vice versa).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ import shutil
 import tempfile
 import types
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -332,7 +332,8 @@ def base_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def base_weights_digest(model) -> str:
-    """Same value as `Backbone._weights_digest` on the model before any adapter was attached."""
+    """Digest of the base weights (a few values of every tensor), identical before and after
+    adapters are attached; recorded in notebank_adapter.json and checked by `load_adapter`."""
     import hashlib
     h = hashlib.sha256()
     for name, p in sorted(base_state_dict(model).items()):
@@ -344,8 +345,11 @@ def base_weights_digest(model) -> str:
 
 
 def _pin_fingerprint(bb) -> None:
-    digest = base_weights_digest(bb.model)
-    bb._weights_digest = types.MethodType(lambda self, _d=digest: _d, bb)
+    """Freeze `bb.fingerprint()` at its adapter-free value (computed now, before peft wraps the
+    model). Works whether or not Backbone itself ignores adapter tensors / caches the value."""
+    fp = bb.fingerprint()
+    bb.__dict__["_fingerprint"] = fp
+    bb.fingerprint = types.MethodType(lambda self, _f=fp: _f, bb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +491,7 @@ def load_adapter(bb, src: str, adapter_name: str = "default", trainable: bool = 
             if meta.get("family") != bb.family:
                 raise ValueError(f"adapter {src!r} was trained for a {meta.get('family')!r} backbone, "
                                  f"this backbone is {bb.family!r}")
-            mine = bb._weights_digest()
+            mine = base_weights_digest(bb.model)
             if strict and meta.get("base_weights_digest") not in (None, mine):
                 raise ValueError(f"adapter {src!r} was trained on different base weights "
                                  f"(digest {meta.get('base_weights_digest')} != {mine}); pass strict=False to force")
@@ -504,8 +508,7 @@ def detach_adapter(bb):
     """Remove adapters (unmerged) and return the backbone to its base model."""
     if bb.has_adapter:
         bb.model = bb.model.unload()
-        if "_weights_digest" in vars(bb):
-            del bb._weights_digest
+        vars(bb).pop("fingerprint", None)      # the base weights did not change: the cached value stays
     bb.lora_layers = []
     return bb
 

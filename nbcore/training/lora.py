@@ -25,14 +25,15 @@ summed into the gradients, gradients and counts are summed over workers, then di
 number of valid examples (so the update is the mean of per-example Eq. 10 losses), clipped to
 1.0 and applied by AdamW (lr 5e-4, wd 0.01, constant lr: the paper names no schedule).
 
-Bad examples (empty answer or question, an answer that tokenises to nothing) raise
-`BadExample` in `prepare`; `train_update` counts and skips them, never crashing the worker.
+Bad examples (empty answer or question, an answer that tokenises to nothing, a non-string field)
+raise `BadExample` (or the reader's ValueError/TypeError) in `prepare`; `train_update` counts
+and skips them (`skipped` metric, warning log), never crashing the worker. A context shorter
+than C is not bad: it is read with an empty archive (zero replay tokens).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -328,7 +329,7 @@ def train_update(bb, params: list, opt: torch.optim.Optimizer, batch: list[dict]
         ta = time.perf_counter()
         try:
             rex = prepare(bb, ex, cfg)
-        except BadExample as e:
+        except (BadExample, ValueError, TypeError) as e:     # bad input: counted, never fatal
             n_bad += 1
             bad_reasons.append(str(e))
             log.warning("skipping example %s: %s", ex.get("id", "?"), e)

@@ -358,5 +358,27 @@ def _simple_needles(n, lengths, split, seed):   # pragma: no cover - fallback on
     return rows
 
 
+def main(argv=None) -> int:
+    """python -m nbcore.training.qa_data nq SRC DEST [--select 2400 --seed 0]   (App. C.4 pool / draw)"""
+    import argparse
+    p = argparse.ArgumentParser(description="NB-LoRA QA data tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    nq = sub.add_parser("nq", help="import NQ-derived rows of emozilla/Long-Data-Collections-Fine-Tune")
+    nq.add_argument("src", nargs="+", help="Parquet/JSONL files, folders or globs (fsspec URLs)")
+    nq.add_argument("dest", help="output JSONL (fsspec URL)")
+    nq.add_argument("--select", type=int, default=None, help="draw this many (paper: 2400), seed --seed")
+    nq.add_argument("--seed", type=int, default=0)
+    nq.add_argument("--max-context-chars", type=int, default=NQ_MAX_CONTEXT_CHARS)
+    args = p.parse_args(argv)
+    out = import_nq(args.src, args.dest, max_context_chars=args.max_context_chars, n_select=args.select,
+                    seed=args.seed)
+    print(json.dumps(out["stats"]))
+    return 0
+
+
 __all__ = ["QAData", "load_qa", "validate_row", "write_jsonl", "expand_sources", "select", "parse_nq",
            "nq_example", "import_nq", "synthetic_qa", "synthetic_example", "SyntheticRows", "NQ_MAX_CONTEXT_CHARS"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
