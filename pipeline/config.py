@@ -36,6 +36,8 @@ class ModelSpec:
     seed: int = 0                       # random-init seed (hf_config only)
     dtype: str | None = None            # float32 | bfloat16 | float16 | None (checkpoint default)
     device: str = "auto"                # auto (cuda if the actor has a GPU) | cpu | cuda
+    adapter: str | None = None          # NB-LoRA read adapter (dir or fsspec URL from jobs/train_lora.py):
+                                        # on for replay/question/answer only, off for writing and routing
 
     def validate(self, where="model"):
         if (self.path is None) == (self.hf_config is None):

@@ -75,6 +75,9 @@ def build_backbone(model: dict):
         kw = dict(model["hf_config"])
         target = AutoConfig.for_model(kw.pop("model_type"), **kw)
     bb = load_backbone(target, tokenizer=tok, device=device, dtype=dtype, seed=int(model.get("seed", 0)))
+    if model.get("adapter"):
+        from nbcore.lora import load_adapter
+        load_adapter(bb, model["adapter"])
     bb.model.eval()
     for p in bb.model.parameters():
         p.requires_grad_(False)

@@ -14,7 +14,10 @@ from pipeline.config import (ConfigError, DemoConfig, IngestJobConfig, QueryJobC
                              parse_overrides, to_dict)
 
 REPO = Path(__file__).resolve().parents[1]
-JOB_CONFIGS = {"ingest": IngestJobConfig, "query": QueryJobConfig, "demo": DemoConfig}
+from pipeline.train_lora import TrainLoraJobConfig  # noqa: E402
+
+JOB_CONFIGS = {"ingest": IngestJobConfig, "query": QueryJobConfig, "demo": DemoConfig,
+               "train_lora": TrainLoraJobConfig}
 
 
 @pytest.mark.parametrize("name", sorted(JOB_CONFIGS))

@@ -372,3 +372,29 @@ def test_synthetic_qa_uses_train_keys():
         assert r["target"] == ruler.answer_text(r["answers"]) and r["split"] == "train"
         assert not any(k in r["question"] for k in test_keys)
     assert {r["task"] for r in rows} == set(ruler.PAPER_SIX)
+
+
+def test_query_model_spec_loads_adapter(tmp_path):
+    """`model.adapter` in the ingest/query/evaluate configs loads a saved adapter into the actors'
+    backbone; routing is unchanged, reading uses it."""
+    import torch
+    from nbcore.lora import attach_adapter, save_adapter
+    from pipeline.worker import build_backbone
+    from conftest import TINY_MODEL
+    bb = build_backbone(dict(TINY_MODEL))
+    attach_adapter(bb)
+    with torch.no_grad():
+        for n, p in bb.model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)
+    save_adapter(bb, str(tmp_path / "adapter"))
+    plain = build_backbone(dict(TINY_MODEL))
+    adapted = build_backbone({**TINY_MODEL, "adapter": str(tmp_path / "adapter")})
+    assert adapted.has_adapter and not plain.has_adapter
+    assert adapted.fingerprint() == plain.fingerprint()
+    ids = torch.arange(3, 60)
+    with adapted.reading():
+        on = adapted.forward(adapted.new_state(), ids)
+    off = adapted.forward(adapted.new_state(), ids)
+    assert torch.allclose(off, plain.forward(plain.new_state(), ids), atol=1e-6)
+    assert not torch.allclose(on, off)
