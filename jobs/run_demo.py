@@ -21,8 +21,10 @@ from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
 
 
 def make_inputs(cfg, workdir: str) -> tuple[str, str]:
-    from nbcore.testing import needle_text
     corpus, questions = os.path.join(workdir, "corpus.jsonl"), os.path.join(workdir, "questions.jsonl")
+    if cfg.task:
+        return _ruler_inputs(cfg, corpus, questions)
+    from nbcore.testing import needle_text
     with open(corpus, "w") as fc, open(questions, "w") as fq:
         for d in range(cfg.n_docs):
             text, needles = needle_text(cfg.doc_tokens, n_needles=cfg.questions_per_doc, seed=cfg.seed + d)
@@ -35,11 +37,34 @@ def make_inputs(cfg, workdir: str) -> tuple[str, str]:
     return corpus, questions
 
 
+def _ruler_inputs(cfg, corpus: str, questions: str) -> tuple[str, str]:
+    """RULER examples sized in the model's own tokens: context -> corpus row, question -> query row."""
+    from pipeline.worker import build_tokenizer
+    from nbcore.tasks import ruler
+    tok = build_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    if tok is None:
+        if not cfg.model.path:
+            raise SystemExit("demo: task mode needs a tokenizer (model.path or model.tokenizer); or set task: null")
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    with open(corpus, "w") as fc, open(questions, "w") as fq:
+        for d in range(cfg.n_docs):
+            ex = ruler.generate(cfg.task, cfg.doc_tokens, d, tok, seed=cfg.seed)
+            doc_id = f"doc-{d:04d}"
+            fc.write(json.dumps({"doc_id": doc_id, "text": ex["context"], "source": f"ruler/{cfg.task}",
+                                 "seed": cfg.seed}) + "\n")
+            fq.write(json.dumps({"question_id": f"{doc_id}-q0", "doc_id": doc_id, "question": ex["question"],
+                                 "answers": list(ex["answers"])}) + "\n")
+    return corpus, questions
+
+
 def run(cfg) -> dict:
     from pipeline.config import IngestJobConfig, QueryJobConfig
     from pipeline.ingest import run_ingest
     from pipeline.pool import start_workers, stop_workers
     from pipeline.query import run_query
+    if cfg.model.path and "://" not in cfg.model.path and os.path.isdir(cfg.model.path):
+        cfg.model.path = os.path.abspath(cfg.model.path)        # actors may not share our cwd
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="notebank-demo-")
     os.makedirs(workdir, exist_ok=True)
     corpus, questions = make_inputs(cfg, workdir)

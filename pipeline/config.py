@@ -152,12 +152,14 @@ class DemoConfig:
 
     workdir: str | None = None            # default: a fresh temporary folder
     n_docs: int = 4
-    doc_tokens: int = 6000                 # haystack length per document (byte tokenizer: 1 char = 1 token)
-    questions_per_doc: int = 2
+    doc_tokens: int = 8192                 # document length: RULER tokens of the model (task set), else characters
+    questions_per_doc: int = 2             # needle-text mode only (a RULER example has its own question)
     seed: int = 0
-    model: ModelSpec = field(default_factory=lambda: ModelSpec(hf_config=dict(TINY_GDN), tokenizer="byte", device="cpu"))
+    task: str | None = "niah_single_1"     # RULER task generating the corpus (needs the model's tokenizer);
+                                           # null: planted-needle noise text (any tokenizer, e.g. byte)
+    model: ModelSpec = field(default_factory=lambda: ModelSpec(path="models/tiny-gdn", device="cpu"))
     block_size: int = 8192
-    notebank: NoteBankConfig = field(default_factory=lambda: NoteBankConfig(chunk_size=256, note_budget=48, tail=16))
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
     methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
     read: ReadConfig = field(default_factory=lambda: ReadConfig(max_new_tokens=12, top_r=2))
     actors: ActorSpec = field(default_factory=ActorSpec)

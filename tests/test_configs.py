@@ -111,7 +111,7 @@ def test_ray_validation_catches_a_broken_cluster_yaml():
 
 def test_shipped_configs_and_demo_share_the_tiny_model():
     """Archives written by the demo can be queried with configs/query.yaml (same model fingerprint)."""
-    from pipeline.config import TINY_GDN
     for name, cls in (("ingest", IngestJobConfig), ("query", QueryJobConfig)):
-        assert load_config(cls, REPO / f"configs/{name}.yaml").model.hf_config == TINY_GDN
-    assert load_config(DemoConfig, REPO / "configs/demo.yaml").model.hf_config == TINY_GDN
+        assert load_config(cls, REPO / f"configs/{name}.yaml").model.path == "models/tiny-gdn"
+    assert load_config(DemoConfig, REPO / "configs/demo.yaml").model.path == "models/tiny-gdn"
+    assert DemoConfig().model.path == "models/tiny-gdn"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pyarrow.parquet as pq
@@ -114,8 +115,30 @@ def test_demo_job_end_to_end(pool, tmp_path):
     from conftest import REPO
     sys.path.insert(0, str(REPO / "jobs"))
     import run_demo
+    # needle-text mode on the tiny random-init model (fast) ...
     cfg = build(DemoConfig, {"workdir": str(tmp_path), "n_docs": 2, "doc_tokens": 1500, "progress": False,
+                             "task": None, "model": {"path": None, **TINY_MODEL},
                              "notebank": TINY_NB, "actors": TEST_ACTORS, "read": {"max_new_tokens": 4}})
     s = run_demo.run(cfg.validate())
     assert s["ingest"]["docs_ok"] == 2 and s["query"]["questions_ok"] == 4 and s["query"]["rows"] == 12
     assert (tmp_path / "answers.parquet").exists()
+
+
+def test_demo_defaults_use_the_shipped_model_on_ruler(tmp_path):
+    """The README's `make run`: embedded defaults = shipped tiny GDN + RULER corpus (smaller here)."""
+    import sys
+    from conftest import REPO
+    if not (REPO / "models/tiny-gdn/config.json").exists():
+        pytest.skip("shipped model missing")
+    sys.path.insert(0, str(REPO / "jobs"))
+    import run_demo
+    cfg = build(DemoConfig, {"workdir": str(tmp_path), "n_docs": 1, "doc_tokens": 2048, "progress": False,
+                             "actors": TEST_ACTORS})
+    assert cfg.model.path == "models/tiny-gdn" and cfg.task == "niah_single_1"
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        s = run_demo.run(cfg.validate())
+    finally:
+        os.chdir(cwd)
+    assert s["ingest"]["docs_ok"] == 1 and s["query"]["questions_ok"] == 1 and s["query"]["rows"] == 3
