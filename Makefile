@@ -6,7 +6,11 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv run test example smoke clean
+.PHONY: venv run test example system-deps clean
+# RULER's essay haystack is prose from Debian's `fortunes` package (root: apt-get install fortunes).
+system-deps:
+	@test -d /usr/share/games/fortunes || (apt-get update -qq && apt-get install -y -qq fortunes)
+
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)

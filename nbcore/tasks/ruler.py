@@ -327,7 +327,7 @@ def _make_niah(task: str, spec: NiahSpec, target: int, rng: random.Random, token
 
 
 def _finish(task, context, question, answers, target, tokenizer, needles=(), extra=None) -> dict:
-    spans, pos = [], 0
+    spans = []
     for nd in needles:  # needles are unique strings (distinct keys/values), find in order
         s = context.find(nd)
         spans.append([s, s + len(nd)])
