@@ -14,6 +14,7 @@ if str(REPO) not in sys.path:
 # Tiny real model for pipeline tests: transformers Qwen3.5 text, all linear_attention (pure GDN),
 # hidden 64, 2 layers, random init; byte-level tokenizer (1 token per byte).
 TINY_MODEL = {
+    "path": None,          # explicit: overrides the shipped configs' `path: models/tiny-gdn` when merged
     "hf_config": {
         "model_type": "qwen3_5_text", "vocab_size": 262, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "linear_attention"],

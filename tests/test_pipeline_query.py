@@ -117,7 +117,7 @@ def test_demo_job_end_to_end(pool, tmp_path):
     import run_demo
     # needle-text mode on the tiny random-init model (fast) ...
     cfg = build(DemoConfig, {"workdir": str(tmp_path), "n_docs": 2, "doc_tokens": 1500, "progress": False,
-                             "task": None, "model": {"path": None, **TINY_MODEL},
+                             "task": None, "model": TINY_MODEL,
                              "notebank": TINY_NB, "actors": TEST_ACTORS, "read": {"max_new_tokens": 4}})
     s = run_demo.run(cfg.validate())
     assert s["ingest"]["docs_ok"] == 2 and s["query"]["questions_ok"] == 4 and s["query"]["rows"] == 12
