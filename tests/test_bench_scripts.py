@@ -12,7 +12,9 @@ def test_gpu_script_cpu_smoke(tmp_path):
     doc = overhead_gpu.main(["--tiny", "--device", "cpu", "--lengths", "1K", "--reps", "1", "--gen", "2",
                              "--out", str(out)])
     row = doc["lengths"]["1K"]
-    assert row["plain_s"] > 0 and row["nb_s"] > 0 and row["ratio"] == pytest.approx(row["nb_s"] / row["plain_s"], rel=1e-2)
+    # times are rounded to ms in the JSON, the ratio is taken before rounding
+    assert row["plain_s"] > 0 and row["nb_s"] > 0
+    assert row["ratio"] == pytest.approx(row["nb_s"] / row["plain_s"], rel=0.1, abs=0.05)
     assert json.loads(out.read_text())["model"].startswith("tiny")
 
 
