@@ -64,9 +64,10 @@ def get_router(name: str):
 def _native(rq: RouteQuery, fn) -> np.ndarray:
     u = rq.probe()
     t0 = time.perf_counter()
-    out = fn(u, keys=rq.archive.routing_keys(), m=rq.archive.config.addr_positions)
+    keys = rq.archive.routing_keys()
+    out = fn(u.to(keys.device), keys=keys, m=rq.archive.config.addr_positions)
     rq.route_s += time.perf_counter() - t0
-    return out.numpy().astype(np.float64)
+    return out.cpu().numpy().astype(np.float64)
 
 
 @register_router("native")
@@ -191,7 +192,7 @@ def dense_router(rq: RouteQuery) -> np.ndarray:
     if "dense" not in cache:
         cache["dense"] = dense_embed(_note_texts(rq))
     q = dense_embed([_question_text(rq)])[0]
-    scores = (cache["dense"] @ q).double().numpy() + 2.0
+    scores = (cache["dense"] @ q).double().cpu().numpy() + 2.0
     rq.route_s += time.perf_counter() - t0
     return scores
 
@@ -206,6 +207,6 @@ def mean_embedding_router(rq: RouteQuery) -> np.ndarray:
         vecs = torch.stack([emb[torch.as_tensor(z, dtype=torch.long)].float().mean(0) for z in rq.archive.token_ids])
         cache["mean_emb"] = torch.nn.functional.normalize(vecs, dim=-1)
     q = torch.nn.functional.normalize(emb[rq.q_ids].float().mean(0), dim=-1)
-    scores = (cache["mean_emb"] @ q).double().numpy() + 2.0
+    scores = (cache["mean_emb"] @ q).double().cpu().numpy() + 2.0
     rq.route_s += time.perf_counter() - t0
     return scores

@@ -170,6 +170,8 @@ class ArchiveWriter:
     def feed(self, dist: torch.Tensor, qc: torch.Tensor) -> None:
         """dist: [t, J] fp32, qc: [t, J, d_rho] for the next t tokens of the document."""
         C = self.cfg.chunk_size
+        # span selection is host-side numpy: bring each block over once (no-op on CPU)
+        dist, qc = dist.cpu(), qc.cpu()
         i = 0
         t = dist.shape[0]
         while i < t:
