@@ -1,4 +1,6 @@
-"""RULER evaluation sweep: backbones x methods x routers x tasks x lengths x budgets, on Ray.
+"""Evaluation jobs on Ray. `benchmark:` in the YAML picks one (pipeline/benchmarks.py):
+ruler (default): backbones x methods x routers x tasks x lengths x budgets; longbench: LongBench
+v1/v2 and MemoryAgentBench files; mone: the MoNe backend against ICL and RAG.
 
     python jobs/evaluate.py -c configs/eval_ruler.yaml                 # full grid (documented, not CI)
     python jobs/evaluate.py -c configs/eval_smoke.yaml                 # CI smoke: 4K/16K, few examples
@@ -17,11 +19,21 @@ from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
 
 
 def main(argv=None):
-    from pipeline.evaluate import EvalJobConfig, run_sweep
-    cfg = parse(EvalJobConfig, __doc__.split("\n")[0], argv)
+    import argparse
+
+    from pipeline.benchmarks import benchmark_name, resolve
+    from pipeline.config import ConfigError, add_config_args
+    # The YAML's `benchmark:` key (ruler | longbench | mone; default ruler) picks the job.
+    pre, _ = add_config_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
+    try:
+        cls, run = resolve(benchmark_name(pre.config, pre.set))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    cfg = parse(cls, __doc__.split("\n")[0], argv)
     started = setup(cfg)
     try:
-        summary = run_sweep(cfg)
+        summary = run(cfg)
     finally:
         cleanup(started)
     emit(summary)

@@ -43,8 +43,9 @@ class BudgetEntry:
 
 @dataclass
 class EvalJobConfig:
-    """jobs/evaluate.py"""
+    """jobs/evaluate.py (benchmark: ruler)"""
 
+    benchmark: str = "ruler"                        # picks this config in jobs/evaluate.py
     output: str = "out/eval"
     backbones: list[BackboneEntry] = field(default_factory=list)
     budgets: list[BudgetEntry] = field(default_factory=lambda: [BudgetEntry()])
