@@ -34,6 +34,7 @@ class IngestResult:
     n_tokens: int
     timings: dict = field(default_factory=dict)
     token_ids: np.ndarray | None = None     # the context's ids (kept for JRT / oracle diagnostics)
+    also_archives: list = field(default_factory=list)   # archives of ingest(..., also=cfgs), same order
 
 
 @dataclass
@@ -91,14 +92,28 @@ def encode_question(bb: Backbone, question) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+FEATURE_FIELDS = ("chunk_size", "addr_dim", "seed")   # what the per-chunk feature stream depends on
+
+
 def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = None, *,
-           token_ids=None, block_size: int = 8192, write: bool = True, progress=None) -> IngestResult:
+           token_ids=None, block_size: int = 8192, write: bool = True, progress=None,
+           also: tuple[NoteBankConfig, ...] | list = ()) -> IngestResult:
     """Read a document with carried state and write its archive.
 
     block_size: tokens per backbone call (rounded down to a multiple of C, at least C). Archives
     do not depend on it (features are reduced per C-token chunk). write=False = plain prefill
-    (same blocks, no capture): the baseline of the overhead benchmarks."""
+    (same blocks, no capture): the baseline of the overhead benchmarks.
+    also: further writer configs fed from the SAME pass (e.g. the addressing variants, which
+    change only how notes are written); each must share `cfg`'s FEATURE_FIELDS. Their archives
+    equal separate ingests' (tested) and land in `IngestResult.also_archives`."""
     cfg = (cfg or NoteBankConfig()).validate()
+    also = [c.validate() for c in also]
+    for c in also:
+        bad = [f for f in FEATURE_FIELDS if getattr(c, f) != getattr(cfg, f)]
+        if bad:
+            raise ValueError(f"ingest(also=...): configs must share {FEATURE_FIELDS} with cfg; differ in {bad}")
+    if also and not write:
+        raise ValueError("ingest(also=...) needs write=True")
     ids, sent = encode_context(bb, text, token_ids)
     T = len(ids)
     if T == 0:
@@ -109,6 +124,7 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
     block = max(C, (block_size // C) * C)
     fp = bb.fingerprint()
     writer = ArchiveWriter(cfg, ids, sent, bb.n_channels, fp) if write else None
+    extra = [ArchiveWriter(c, ids, sent, bb.n_channels, fp) for c in also]
     coords = coords_for(bb, cfg)
     state = bb.new_state()
     t_fwd = t_write = 0.0
@@ -122,6 +138,8 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
             t1 = time.perf_counter()
             dist, qc = tap.result()
             writer.feed(dist, qc)
+            for w in extra:
+                w.feed(dist, qc)
             t_write += time.perf_counter() - t1
             t_fwd += t1 - t0
         else:
@@ -130,7 +148,8 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
         if progress is not None:
             progress(len(chunk))
     archive = writer.finish(T) if writer is not None else Archive.empty(bb.n_channels, cfg, fp, T)
-    return IngestResult(state, archive, T, {"prefill_s": t_fwd, "write_s": t_write}, ids)
+    return IngestResult(state, archive, T, {"prefill_s": t_fwd, "write_s": t_write}, ids,
+                        [w.finish(T) for w in extra])
 
 
 def _generate(bb, state, logits, rc: ReadConfig) -> tuple[list[int], str]:

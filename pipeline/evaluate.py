@@ -30,6 +30,13 @@ class BackboneEntry:
     name: str = ""                                  # label used in results (e.g. tiny-gdn)
     model: ModelSpec = field(default_factory=ModelSpec)
     notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # per-backbone defaults (C=256 for Mamba-2)
+    # Reporting: results rows say `report_as` (default: name) and rename methods through
+    # `method_names`, e.g. an adapter entry reports as tiny-gdn with nb-tf-top2 -> nb-lora-top2.
+    report_as: str = ""
+    method_names: dict = field(default_factory=dict)
+    methods: list = field(default_factory=list)     # this backbone's methods (default: the job's)
+    lengths: list = field(default_factory=list)     # this backbone's lengths (default: the job's)
+    n_examples_by_length: dict = field(default_factory=dict)   # overrides the job's table
 
 
 @dataclass
@@ -53,10 +60,12 @@ class EvalJobConfig:
                                                       "niah_multikey_1", "niah_multiquery", "niah_multivalue"])
     lengths: list[str] = field(default_factory=lambda: ["4K", "16K"])
     n_examples: int = 10
+    n_examples_by_length: dict = field(default_factory=dict)   # e.g. {1M: 2}: fewer at the costly lengths
     seed: int = 0
     methods: list[str] = field(default_factory=lambda: ["plain", "jrt", "nb-tf-top1", "nb-tf-top2", "nb-tf-top4",
                                                         "nb-bm25-top2", "nb-dense-top2", "nb-oracle-top2",
                                                         "clean-start", "nb-tf-top2-reset"])
+    methods_by_length: dict = field(default_factory=dict)      # e.g. {1M: [plain, nb-tf-top2]} (drops JRT's 2x pass)
     max_new_tokens: int = 32
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
@@ -73,16 +82,46 @@ class EvalJobConfig:
             if not b.name or "/" in b.name:
                 raise ConfigError(f"backbones: each entry needs a name without '/', got {b.name!r}")
             b.model.validate(f"backbones[{b.name}].model")
-        for m in self.methods:
+            if "/" in (b.report_as or ""):
+                raise ConfigError(f"backbones[{b.name}].report_as must not contain '/'")
+        names = [*self.methods, *(m for b in self.backbones for m in b.methods),
+                 *(m for ms in self.methods_by_length.values() for m in ms)]
+        for m in names:
             try:
                 method_config(m)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
         for x in self.lengths:
             parse_length(x)
-        if self.n_examples < 1:
+        known = {parse_length(y) for y in self.lengths}
+        tables = [("n_examples_by_length", self.n_examples_by_length), ("methods_by_length", self.methods_by_length)]
+        tables += [(f"backbones[{b.name}].n_examples_by_length", b.n_examples_by_length) for b in self.backbones]
+        tables += [(f"backbones[{b.name}].lengths", b.lengths) for b in self.backbones]
+        for label, table in tables:
+            for x in table:
+                if parse_length(x) not in known:
+                    raise ConfigError(f"{label}: length {x!r} is not in lengths {self.lengths}")
+        counts = [self.n_examples, *self.n_examples_by_length.values(),
+                  *(v for b in self.backbones for v in b.n_examples_by_length.values())]
+        if any(int(v) < 1 for v in counts):
             raise ConfigError("n_examples must be >= 1")
         return self
+
+    def lengths_for(self, entry: BackboneEntry) -> list[str]:
+        return list(entry.lengths or self.lengths)
+
+    def examples_at(self, length: str, entry: BackboneEntry | None = None) -> int:
+        by = {parse_length(k): int(v) for k, v in self.n_examples_by_length.items()}
+        if entry is not None:
+            by.update({parse_length(k): int(v) for k, v in entry.n_examples_by_length.items()})
+        return by.get(parse_length(length), self.n_examples)
+
+    def methods_at(self, entry: BackboneEntry, length: str) -> list[str]:
+        """entry.methods (or the job's), restricted to methods_by_length[length] when given."""
+        ms = list(entry.methods or self.methods)
+        by = {parse_length(k): list(v) for k, v in self.methods_by_length.items()}
+        allowed = by.get(parse_length(length))
+        return [m for m in ms if allowed is None or m in allowed]
 
 
 def parse_length(s) -> int:
@@ -135,8 +174,10 @@ def run_cell(cell: dict) -> dict:
         err = None
     except Exception as e:  # noqa: BLE001 - a failed example is recorded, the sweep goes on
         rows, err = [], f"{type(e).__name__}: {e}"
+    rename = cell.get("method_names") or {}
     for r in rows:
-        r.update(backbone=cell["backbone"], budget=cell["budget"], cell_s=time.perf_counter() - t0)
+        r.update(backbone=cell.get("report_as") or cell["backbone"], budget=cell["budget"],
+                 cell_s=time.perf_counter() - t0, method=rename.get(r["method"], r["method"]))
     if err is None:
         table = pa.Table.from_pylist(rows)
         fs, path = fsspec.core.url_to_fs(cell["path"])
@@ -158,12 +199,16 @@ def plan_cells(cfg: EvalJobConfig) -> list[dict]:
         for budget in cfg.budgets:
             nb = dataclasses.asdict(_nb_for(b, budget))
             for task in cfg.tasks:
-                for L in cfg.lengths:
+                for L in cfg.lengths_for(b):
                     n = parse_length(L)
-                    for i in range(cfg.n_examples):
+                    methods = cfg.methods_at(b, L)
+                    if not methods:
+                        continue
+                    for i in range(cfg.examples_at(L, b)):
                         cells.append(dict(backbone=b.name, budget=budget.name, model=model,
                                           notebank=nb, task=task, length=n, index=i, seed=cfg.seed,
-                                          methods=list(cfg.methods), max_new_tokens=cfg.max_new_tokens,
+                                          report_as=b.report_as or b.name, method_names=dict(b.method_names),
+                                          methods=methods, max_new_tokens=cfg.max_new_tokens,
                                           block_size=cfg.block_size, threads=threads,
                                           path=cell_path(cfg.output, b.name, budget.name, task, n, i)))
     return cells

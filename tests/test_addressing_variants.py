@@ -68,3 +68,25 @@ def test_paper_rule_is_default():
     assert method_config("nb-tf-top2").router == "native" and writer_overrides("nb-tf-top2") == {}
     with pytest.raises(ValueError):
         NoteBankConfig(addr_select="magic").validate()
+
+
+def test_shared_pass_archives_equal_separate_ingests():
+    """ingest(also=...) feeds every variant writer from one pass: archives bit-identical to
+    separate ingests (spans, ids, addresses), on an odd length with a partial last chunk."""
+    bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
+    text, _ = needle_text(2600, 2, seed=1)
+    base = NoteBankConfig(chunk_size=256, note_budget=96)
+    variants = [NoteBankConfig(**{**base.to_dict(), **VARIANTS[v][0]}) for v in ("m4", "qnovel", "m4qnovelmargin")]
+    shared = ingest(bb, text, base, block_size=512, also=variants)
+    for cfg, got in zip([base, *variants], [shared.archive, *shared.also_archives]):
+        ref = ingest(bb, text, cfg, block_size=768).archive
+        assert np.array_equal(got.starts, ref.starts) and np.array_equal(got.ends, ref.ends)
+        assert all(np.array_equal(a, b) for a, b in zip(got.token_ids, ref.token_ids))
+        assert torch.equal(got.addresses, ref.addresses), cfg
+    assert shared.also_archives[0].addresses.shape[1] == 4 * bb.n_channels
+
+
+def test_shared_pass_rejects_configs_with_other_features():
+    bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
+    with pytest.raises(ValueError, match="chunk_size"):
+        ingest(bb, "x " * 400, NoteBankConfig(chunk_size=256), also=[NoteBankConfig(chunk_size=128)])

@@ -81,3 +81,38 @@ def test_shipped_eval_configs_load(name):
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
     cfg = load_config(EvalJobConfig, path).validate()
     assert cfg.backbones and f"python jobs/evaluate.py -c configs/{name}.yaml" in path.read_text()
+
+
+def test_plan_per_length_counts_methods_and_report_names():
+    """n_examples_by_length / methods_by_length / per-backbone lengths shape the grid; an adapter
+    entry reports under its base backbone with renamed methods (issue 5's summary keys)."""
+    from pipeline.evaluate import plan_cells
+    cfg = load_config(EvalJobConfig, None, [
+        "backbones=[{name: a, model: {path: m}}, {name: a-lora, report_as: a, model: {path: m, adapter: x},"
+        " methods: [nb-tf-top2], method_names: {nb-tf-top2: nb-lora-top2}, lengths: [4K]}]",
+        "tasks=[niah_single_1]", "lengths=[4K, 1M]", "n_examples=3", "n_examples_by_length={1M: 1}",
+        "methods=[plain, jrt, nb-tf-top2]", "methods_by_length={1M: [plain, nb-tf-top2]}"]).validate()
+    cells = plan_cells(cfg)
+    got = sorted((c["backbone"], c["length"], c["index"], tuple(c["methods"])) for c in cells)
+    assert got == [("a", 4096, i, ("plain", "jrt", "nb-tf-top2")) for i in range(3)] + \
+                  [("a", 1 << 20, 0, ("plain", "nb-tf-top2"))] + \
+                  [("a-lora", 4096, i, ("nb-tf-top2",)) for i in range(3)]
+    lora = [c for c in cells if c["backbone"] == "a-lora"][0]
+    assert lora["report_as"] == "a" and lora["method_names"] == {"nb-tf-top2": "nb-lora-top2"}
+    assert lora["path"] != [c for c in cells if c["backbone"] == "a"][0]["path"]   # own cell files
+    with pytest.raises(ConfigError, match="not in lengths"):
+        load_config(EvalJobConfig, None, ["backbones=[{name: a, model: {path: m}}]", "lengths=[4K]",
+                                          "n_examples_by_length={64K: 2}"]).validate()
+
+
+def test_run_cell_reports_under_renamed_backbone_and_methods(tmp_path):
+    from nbcore.config import NoteBankConfig
+    from pipeline.evaluate import run_cell
+    cell = dict(backbone="rand-lora", report_as="rand", method_names={"nb-tf-top2": "nb-lora-top2"},
+                budget="default", model=dict(TINY_MODEL), notebank=NoteBankConfig(chunk_size=256).to_dict(),
+                task="niah_single_1", length=1024, index=0, seed=0, methods=["plain", "nb-tf-top2"],
+                max_new_tokens=2, block_size=4096, threads=1, path=str(tmp_path / "c.parquet"))
+    res = run_cell(cell)
+    assert res["error"] is None
+    t = pq.read_table(tmp_path / "c.parquet").to_pandas()
+    assert set(t.backbone) == {"rand"} and list(t.method) == ["plain", "nb-lora-top2"]

@@ -87,22 +87,26 @@ def evaluate_example(bb, spec: EvalSpec, methods: list[str], nb_cfg: NoteBankCon
         example = ruler.generate(spec.task, spec.length, spec.index, bb.tokenizer, seed=spec.seed)
     answers = list(example["answers"])
     tok = bb.tokenizer
-    # One ingest per distinct writer config (the paper's rule serves every non-variant method).
+    # One ingest pass serves every method: the variants' writers (issue 9) only change how notes
+    # are written, so they are fed from the same feature stream (ingest(also=...)).
     groups: dict[str, list[str]] = {}
     for name in methods:
         groups.setdefault(json.dumps(writer_overrides(name), sort_keys=True), []).append(name)
+    keys = list(groups)
+    cfgs = [NoteBankConfig(**{**nb_cfg.to_dict(), **json.loads(k)}).validate() for k in keys]
+    t0 = time.perf_counter()
+    res = ingest(bb, example["context"], cfgs[0], block_size=block_size, also=cfgs[1:])
+    ingest_s = time.perf_counter() - t0
+    archives = [res.archive, *res.also_archives]
     rows = []
-    for key, names in groups.items():
-        cfg = NoteBankConfig(**{**nb_cfg.to_dict(), **json.loads(key)}).validate()
-        t0 = time.perf_counter()
-        res = ingest(bb, example["context"], cfg, block_size=block_size)
-        ingest_s = time.perf_counter() - t0
-        note_texts = [tok.decode(z.tolist(), skip_special_tokens=True) for z in res.archive.token_ids]
+    for key, cfg, archive in zip(keys, cfgs, archives):
+        names = groups[key]
+        note_texts = [tok.decode(z.tolist(), skip_special_tokens=True) for z in archive.token_ids]
         archived = coverage(answers, note_texts)
         for name in names:
             rc = method_config(name, spec.max_new_tokens)
             t1 = time.perf_counter()
-            ans = answer(bb, res.state, res.archive, example["question"], rc, answers=answers,
+            ans = answer(bb, res.state, archive, example["question"], rc, answers=answers,
                          context_ids=res.token_ids)
             wall = time.perf_counter() - t1
             rows.append({
@@ -111,9 +115,9 @@ def evaluate_example(bb, spec: EvalSpec, methods: list[str], nb_cfg: NoteBankCon
                 "prediction": ans.text, "answers": answers,
                 "archived_cov": archived,
                 "retrieved_cov": coverage(answers, [note_texts[i] for i in ans.retrieved]) if ans.retrieved else 0.0,
-                "n_tokens": int(res.n_tokens), "n_notes": len(res.archive),
-                "archived_tokens": int(res.archive.n_archived_tokens), "replay_len": int(ans.replay_len),
-                "address_bytes_per_note": int(2 * res.archive.addresses.shape[1] * cfg.addr_dim),
+                "n_tokens": int(res.n_tokens), "n_notes": len(archive),
+                "archived_tokens": int(archive.n_archived_tokens), "replay_len": int(ans.replay_len),
+                "address_bytes_per_note": int(2 * archive.addresses.shape[1] * cfg.addr_dim),
                 "question_tokens": int(ans.n_question_tokens), "retrieved": [int(i) for i in ans.retrieved],
                 "prefill_s": res.timings["prefill_s"], "write_s": res.timings["write_s"], "ingest_s": ingest_s,
                 "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
