@@ -36,15 +36,19 @@ def run_fingerprint(model_fingerprint: str, family: str, n_channels: int, nb: No
 
 
 def archive_to_notes_bytes(doc_id: str, archive: Archive, n_channels: int) -> bytes:
+    """n_channels: the model's J. With addr_positions m > 1 (issue 9 variants) a note has J*m
+    address slots (channel-major); the file's `n_channels` field then counts slots, and its
+    `notebank.addr_positions` says how to read them."""
     addr = archive.addresses
     if addr.dtype != torch.bfloat16:
         raise SchemaError(f"notes for {doc_id!r}: addresses must be bfloat16, got {addr.dtype}")
+    slots = n_channels * archive.config.addr_positions
     bits = addr.detach().cpu().contiguous().view(torch.uint16).numpy()
     if bits.ndim != 3:
-        bits = bits.reshape(len(archive), n_channels, archive.config.addr_dim)
+        bits = bits.reshape(len(archive), slots, archive.config.addr_dim)
     table = notes_schema.build_notes_table(
         doc_id, archive.token_ids, archive.starts, archive.ends, archive.chunk_index, bits,
-        n_channels=n_channels, addr_dim=archive.config.addr_dim, model_fingerprint=archive.model_fingerprint,
+        n_channels=slots, addr_dim=archive.config.addr_dim, model_fingerprint=archive.model_fingerprint,
         notebank=archive.config.to_dict(), n_tokens=int(archive.n_tokens))
     return table_to_parquet_bytes(table)
 

@@ -41,6 +41,23 @@ def test_notes_roundtrip_is_exact_and_deterministic(bb, doc):
     assert back.config == a.config and back.n_tokens == a.n_tokens and back.fingerprint() == a.fingerprint()
 
 
+@pytest.mark.parametrize("variant", ["m4", "m4qnovelmargin"])
+def test_multi_slot_archives_roundtrip_and_route_identically(bb, doc, variant):
+    """Issue 9 variants with m address slots per channel survive the Parquet round trip."""
+    from nbcore.evals.ruler_eval import VARIANTS, method_config
+    text, needles, _ = doc
+    cfg = NoteBankConfig(**{**TINY_NB, **VARIANTS[variant][0]})
+    a = ingest(bb, text, cfg).archive
+    assert a.addresses.shape[1] == bb.n_channels * cfg.addr_positions
+    back = archive_io.notes_bytes_to_archive(archive_io.archive_to_notes_bytes("d", a, bb.n_channels), "n")
+    assert torch.equal(back.addresses.view(torch.uint16), a.addresses.view(torch.uint16))
+    assert back.config == a.config
+    res = ingest(bb, text, cfg)
+    rc = method_config(f"nb-{variant}-top2", max_new_tokens=2)
+    q = f"What is the special magic number for {needles[0][0]}?"
+    assert answer(bb, res.state, back, q, rc).retrieved == answer(bb, res.state, a, q, rc).retrieved
+
+
 def test_state_roundtrip_gives_identical_answers(bb, doc):
     text, needles, res = doc
     data = archive_io.state_to_bytes(bb.state_to_tensors(res.state), doc_id="d", model_fingerprint=bb.fingerprint())
