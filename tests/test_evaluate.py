@@ -116,3 +116,36 @@ def test_run_cell_reports_under_renamed_backbone_and_methods(tmp_path):
     assert res["error"] is None
     t = pq.read_table(tmp_path / "c.parquet").to_pandas()
     assert set(t.backbone) == {"rand"} and list(t.method) == ["plain", "nb-lora-top2"]
+
+
+def _row(method, task, length, score, ret, arch=1.0, nbytes=512, backbone="m"):
+    return dict(backbone=backbone, method=method, task=task, length=length, index=0, score=score,
+                archived_cov=arch, retrieved_cov=ret, address_bytes_per_note=nbytes, ingest_s=1.0,
+                probe_s=0.0, route_s=0.0, replay_generate_s=0.5)
+
+
+def test_routers_section_ranks_variants_against_bm25(tmp_path):
+    from nbcore.evals.report import coverage_vs_bm25, routers_section
+    rows = []
+    for L in (1 << 16, 1 << 20):
+        for task, bm25, tf, m4 in (("a", 1.0, 0.2, 0.97), ("b", 0.5, 0.5, 0.4), ("c", 0.0, 0.0, 0.0)):
+            rows += [_row("nb-bm25-top2", task, L, 50, bm25), _row("nb-tf-top2", task, L, 10, tf),
+                     _row("nb-m4-top2", task, L, 40, m4, nbytes=2048), _row("nb-tf-top2-reset", task, L, 0, 0.0)]
+    df = pd.DataFrame(rows)
+    cmp = coverage_vs_bm25(df)
+    got = {(r.router, r.task): round(r.ratio, 3) for r in cmp[cmp.length == 1 << 16].itertuples()}
+    assert got == {("tf", "a"): 0.2, ("tf", "b"): 1.0, ("tf", "c"): 1.0,      # 0/0 counts as parity
+                   ("m4", "a"): 0.97, ("m4", "b"): 0.8, ("m4", "c"): 1.0}
+    text = "\n".join(routers_section(df))
+    assert "**m4** (worst 0.80" in text and "4x the paper's 512 B" in text   # m4 beats tf on the worst task
+    assert "tf-top2-reset" not in text and "| tf | 512 |" in text
+
+
+def test_lora_section_is_the_2x2(tmp_path):
+    from nbcore.evals.report import lora_section
+    rows = [_row(m, t, 4096, s, 0.0) for m, s in (("plain", 10), ("plain-lora", 20), ("nb-tf-top2", 30),
+                                                   ("nb-lora-top2", 40)) for t in ("a", "b")]
+    text = "\n".join(lora_section(pd.DataFrame(rows)))
+    assert "| w/o NoteBank | 10.00 | 20.00 |" in text and "| w/ NoteBank (top-2) | 30.00 | 40.00 |" in text
+    write_report(pd.DataFrame(rows), str(tmp_path))
+    assert "Table 4" in (tmp_path / "report.md").read_text()

@@ -152,6 +152,160 @@ def plot_cost(df, path: str) -> None:
     plt.close(fig)
 
 
+NATIVE_VARIANTS = ("tf", "margin", "sum", "m4", "m4margin", "m4sum", "qnovel", "qnovelmargin", "m4qnovelmargin")
+EXTERNAL_ROUTERS = ("bm25", "dense", "meanemb", "random", "oracle")
+
+
+def _router_of(method: str, r: int = 2) -> str | None:
+    """nb-<router>-top<r> -> router (None for other methods, other R, -reset)."""
+    import re
+    m = re.match(rf"^nb-([a-z0-9_]+)-top{r}$", method)
+    return m.group(1) if m and m.group(1) != "lora" else None
+
+
+def routers_table(df, r: int = 2):
+    """-> DataFrame [backbone, router, native, length, score, archived_cov, retrieved_cov,
+    address_bytes_per_note], means over tasks of per-task means (top-r, no reset)."""
+    d = df.copy()
+    d["router"] = d["method"].map(lambda m: _router_of(m, r))
+    d = d[d.router.notna()]
+    if d.empty:
+        return d
+    cols = ["score", "archived_cov", "retrieved_cov", "address_bytes_per_note"]
+    per_task = d.groupby(["backbone", "router", "length", "task"])[cols].mean().reset_index()
+    out = per_task.groupby(["backbone", "router", "length"])[cols].mean().reset_index()
+    out["native"] = out.router.isin(NATIVE_VARIANTS)
+    return out
+
+
+def coverage_vs_bm25(df, lengths=None, r: int = 2):
+    """Issue 9's bar: per (backbone, native variant, task, length) retrieved coverage / BM25's.
+    -> DataFrame [backbone, router, task, length, cov, bm25_cov, ratio] (ratio 1 when both are 0)."""
+    import pandas as pd
+    d = df.copy()
+    d["router"] = d["method"].map(lambda m: _router_of(m, r))
+    d = d[d.router.notna()]
+    if lengths is not None:
+        d = d[d.length.isin(list(lengths))]
+    g = d.groupby(["backbone", "router", "task", "length"])["retrieved_cov"].mean().reset_index()
+    bm = g[g.router == "bm25"].rename(columns={"retrieved_cov": "bm25_cov"}).drop(columns="router")
+    nat = g[g.router.isin(NATIVE_VARIANTS)].rename(columns={"retrieved_cov": "cov"})
+    if bm.empty or nat.empty:
+        return pd.DataFrame(columns=["backbone", "router", "task", "length", "cov", "bm25_cov", "ratio"])
+    m = nat.merge(bm, on=["backbone", "task", "length"])
+    m["ratio"] = np.where(m.bm25_cov > 0, m["cov"] / m.bm25_cov.where(m.bm25_cov > 0, 1), 1.0)
+    return m
+
+
+def plot_router_coverage(df, path: str, r: int = 2) -> None:
+    """Retrieved gold coverage vs length per router (native variants solid, external dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    t = routers_table(df, r)
+    if t.empty:
+        return
+    bbs = sorted(t.backbone.unique())
+    fig, axes = plt.subplots(1, len(bbs), figsize=(7 * len(bbs), 4.8), squeeze=False)
+    for ax, bb in zip(axes[0], bbs):
+        d = t[t.backbone == bb]
+        for router, g in d.groupby("router"):
+            g = g.sort_values("length")
+            native = router in NATIVE_VARIANTS
+            ax.plot(g["length"], g["retrieved_cov"], "-" if native else "--", marker="o" if native else "s",
+                    label=router + ("" if native else " (external)"), linewidth=2.2 if router == "tf" else 1.2)
+        lengths = sorted(d["length"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [length_label(x) for x in lengths])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"retrieved gold coverage (top-{r})")
+        ax.set_title(bb)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("Native addressing variants vs external routers: is the archived evidence retrieved?")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def routers_section(df, r: int = 2, bar_lengths=(1 << 16, 1 << 20)) -> list[str]:
+    """Markdown lines: per backbone, router x length tables of accuracy and coverage with address
+    bytes per note, then the best native variant's retrieved coverage relative to BM25 per task."""
+    t = routers_table(df, r)
+    if t.empty:
+        return []
+    lines = [f"## Routers and native addressing variants (top-{r})", "",
+             "`tf` is the paper's rule (Eq. 5, one address per channel); the other native variants are "
+             "training-free and use only the backbone's features (issue 9); bm25/dense/meanemb/random/oracle "
+             "choose among the same archived notes. Coverage = fraction of gold values found in the "
+             "archive (archived) or in the replayed notes (retrieved).", "",
+             "![router coverage](router_coverage.png)", ""]
+    for bb in sorted(t.backbone.unique()):
+        d = t[t.backbone == bb]
+        lines += [f"### {bb}: accuracy | archived coverage | retrieved coverage", ""]
+        lengths = sorted(d.length.unique())
+        lines.append("| router | addr bytes/note | " + " | ".join(length_label(x) for x in lengths) + " |")
+        lines.append("|" + "---|" * (len(lengths) + 2))
+        order = [x for x in (*NATIVE_VARIANTS, *EXTERNAL_ROUTERS) if x in set(d.router)]
+        order += sorted(set(d.router) - set(order))
+        for router in order:
+            g = d[d.router == router].set_index("length")
+            cells = []
+            for x in lengths:
+                if x in g.index:
+                    row = g.loc[x]
+                    cells.append(f"{row.score:.1f} \| {row.archived_cov:.2f} \| {row.retrieved_cov:.2f}")
+                else:
+                    cells.append("")
+            nbytes = int(g["address_bytes_per_note"].max()) if router in NATIVE_VARIANTS else 0
+            lines.append(f"| {router} | {nbytes if nbytes else '-'} | " + " | ".join(cells) + " |")
+        lines.append("")
+        cmp = coverage_vs_bm25(df[df.backbone == bb], lengths=[x for x in bar_lengths if x in lengths], r=r)
+        if cmp.empty:
+            continue
+        paper_bytes = d[d.router == "tf"]["address_bytes_per_note"].max() if (d.router == "tf").any() else None
+        rank = cmp.groupby("router")["ratio"].agg(["min", "mean"]).sort_values(["min", "mean"], ascending=False)
+        best = rank.index[0]
+        best_bytes = d[d.router == best]["address_bytes_per_note"].max()
+        storage = (f"{best_bytes / paper_bytes:.0f}x the paper's {int(paper_bytes)} B"
+                   if paper_bytes else f"{int(best_bytes)} B")
+        lines += [f"Retrieved coverage relative to BM25 at {', '.join(length_label(x) for x in sorted(cmp.length.unique()))} "
+                  f"(bar: >= 0.95 on every task, storage <= 4x). Best native variant by worst-task ratio: "
+                  f"**{best}** (worst {rank.loc[best, 'min']:.2f}, mean {rank.loc[best, 'mean']:.2f}; address storage {storage}).", ""]
+        piv = cmp.pivot_table(index="router", columns=["length", "task"], values="ratio")
+        lines.append("| router | " + " | ".join(f"{length_label(L)} {t_}" for L, t_ in piv.columns) + " |")
+        lines.append("|" + "---|" * (len(piv.columns) + 1))
+        for router in [x for x in NATIVE_VARIANTS if x in piv.index]:
+            lines.append(f"| {router} | " + " | ".join("" if np.isnan(v) else f"{v:.2f}" for v in piv.loc[router].values) + " |")
+        bm = cmp.drop_duplicates(["task", "length"]).set_index(["length", "task"])["bm25_cov"]
+        lines.append("| (bm25 coverage) | " + " | ".join(f"{bm.get((L, t_), float('nan')):.2f}" for L, t_ in piv.columns) + " |")
+        lines.append("")
+    return lines
+
+
+def lora_section(df) -> list[str]:
+    """The paper's Table 4 2x2 from sweep rows: plain / plain-lora / nb-tf-top2 / nb-lora-top2."""
+    need = {"plain", "plain-lora", "nb-tf-top2", "nb-lora-top2"}
+    lines = []
+    for bb in sorted(df.backbone.unique()):
+        d = df[(df.backbone == bb) & df.method.isin(need)]
+        if set(d.method) != need:
+            continue
+        per_task = d.groupby(["method", "length", "task"])["score"].mean().reset_index()
+        common = set.intersection(*(set(per_task[per_task.method == m].length) for m in need))
+        per_task = per_task[per_task.length.isin(common)]
+        mean = per_task.groupby("method")["score"].mean()
+        lines += [f"## {bb}: frozen vs LoRA reader x with/without NoteBank (paper Table 4)", "",
+                  f"Six-task means over {', '.join(length_label(x) for x in sorted(common))} "
+                  "(adapters: models/tiny-gdn-lora, trained by bench/lora_2x2.py).", "",
+                  "| memory access \\ reader | frozen | LoRA |", "|---|---|---|",
+                  f"| w/o NoteBank | {mean['plain']:.2f} | {mean['plain-lora']:.2f} |",
+                  f"| w/ NoteBank (top-2) | {mean['nb-tf-top2']:.2f} | {mean['nb-lora-top2']:.2f} |", "",
+                  _md_table(per_task, "method", "length", "score"), ""]
+    return lines
+
+
 def write_report(rows, out_dir: str, title: str = "RULER evaluation", meta: dict | None = None) -> dict:
     """Write summary.json, report.md and plots under out_dir. -> summary dict."""
     df = _df(rows)
@@ -164,6 +318,7 @@ def write_report(rows, out_dir: str, title: str = "RULER evaluation", meta: dict
     plot_coverage(df, os.path.join(out_dir, "coverage.png"))
     plot_routers(df, os.path.join(out_dir, "routers.png"))
     plot_cost(df, os.path.join(out_dir, "cost_vs_length.png"))
+    plot_router_coverage(df, os.path.join(out_dir, "router_coverage.png"))
     lines = [f"# {title}", ""]
     for k, v in (meta or {}).items():
         lines.append(f"- **{k}**: {v}")
@@ -184,6 +339,8 @@ def write_report(rows, out_dir: str, title: str = "RULER evaluation", meta: dict
             lines += ["### Coverage (archived | retrieved), mean over tasks", "",
                       _md_table(nb, "method", "length", "archived_cov", "{:.2f}"), "",
                       _md_table(nb, "method", "length", "retrieved_cov", "{:.2f}"), ""]
+    lines += routers_section(df)
+    lines += lora_section(df)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return summary
