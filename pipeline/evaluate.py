@@ -245,11 +245,29 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
         with fs.open(fsspec.core.url_to_fs(cfg.output)[1].rstrip("/") + "/results.parquet", "wb") as f:
             pq.write_table(rows, f)
         if fs.protocol in ("file", ("file", "local")) or "://" not in cfg.output:
-            summary = write_report(rows.to_pandas(), out_local, cfg.report_title,
-                                   meta={"cells": len(cells), "methods": ", ".join(cfg.methods)})
+            summary = write_report(rows.to_pandas(), out_local, cfg.report_title, meta=_report_meta(cfg, cells))
     return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - len(todo),
             "cells_failed": len(failed), "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
             "summary_keys": len(summary)}
+
+
+def _report_meta(cfg: EvalJobConfig, cells: list[dict]) -> dict:
+    """Where and when the report was made (the cells may come from several resumed runs)."""
+    import datetime
+    import platform
+
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"report written": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{cpu}, {os.cpu_count()} CPUs, GPU: {gpu}",
+            "cells": len(cells), "methods": ", ".join(cfg.methods),
+            "command": "python jobs/evaluate.py -c <config> (see the config header); resumable"}
 
 
 def collect(output: str):
