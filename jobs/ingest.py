@@ -15,7 +15,7 @@ import sys
 import os
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+from pipeline.cli import run_job  # noqa: E402
 
 
 def run(cfg) -> dict:
@@ -26,19 +26,7 @@ def run(cfg) -> dict:
 def main(argv=None) -> int:
     from pipeline.config import IngestJobConfig
     from pipeline.store import FingerprintMismatch
-    cfg = parse(IngestJobConfig, __doc__.splitlines()[0], argv)
-    started = setup(cfg)
-    try:
-        summary = run(cfg)
-    except FingerprintMismatch as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cleanup(started)
-    for f in summary.pop("failures", []):
-        print(f"failed: {f}", file=sys.stderr)
-    emit(summary)
-    return 0
+    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=(FingerprintMismatch,))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 import os
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+from pipeline.cli import run_job  # noqa: E402
 
 
 def run(cfg) -> dict:
@@ -25,17 +25,7 @@ def run(cfg) -> dict:
 def main(argv=None) -> int:
     from pipeline.config import QueryJobConfig
     from pipeline.store import FingerprintMismatch
-    cfg = parse(QueryJobConfig, __doc__.splitlines()[0], argv)
-    started = setup(cfg)
-    try:
-        summary = run(cfg)
-    except (FingerprintMismatch, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cleanup(started)
-    emit(summary)
-    return 0
+    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=(FingerprintMismatch, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+from pipeline.cli import run_job  # noqa: E402
 
 
 def make_inputs(cfg, workdir: str) -> tuple[str, str]:
@@ -86,14 +86,7 @@ def run(cfg) -> dict:
 
 def main(argv=None) -> int:
     from pipeline.config import DemoConfig
-    cfg = parse(DemoConfig, __doc__.splitlines()[0], argv)
-    started = setup(cfg)
-    try:
-        summary = run(cfg)
-    finally:
-        cleanup(started)
-    emit(summary)
-    return 0
+    return run_job(DemoConfig, __doc__.splitlines()[0], run, argv, errors=())
 
 
 if __name__ == "__main__":

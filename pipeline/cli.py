@@ -39,3 +39,22 @@ def cleanup(started: bool):
 def emit(summary: dict) -> None:
     """The one-line JSON summary (last line of stdout)."""
     print(json.dumps(summary, sort_keys=False), flush=True)
+
+
+def run_job(cls, description: str, run, argv=None, errors: tuple = ()) -> int:
+    """The body of every jobs/*.py main(): typed config -> Ray setup -> run(cfg) -> cleanup ->
+    one-line JSON summary. Exceptions in `errors` (user-facing: wrong model, missing input) print
+    one line and exit 2; a summary's "failures" list goes to stderr, one line each."""
+    cfg = parse(cls, description, argv)
+    started = setup(cfg)
+    try:
+        summary = run(cfg)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        cleanup(started)
+    for f in summary.pop("failures", []) if isinstance(summary, dict) else []:
+        print(f"failed: {f}", file=sys.stderr)
+    emit(summary)
+    return 0
