@@ -34,6 +34,9 @@ def main(argv=None):
     started = setup(cfg)
     try:
         summary = run(cfg)
+    except ConfigError as e:                        # e.g. a data file found missing at run time
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     finally:
         cleanup(started)
     emit(summary)

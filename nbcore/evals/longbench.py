@@ -44,6 +44,7 @@ __all__ = [
     "V1_FIELDS",
     "V2_FIELDS",
     "V2_PROMPT_0SHOT",
+    "V2_MAX_NEW_TOKENS",
     "V2_PAPER_DOMAINS",
     "V2_PAPER_SUB_DOMAINS",
     "build_prompt",
@@ -52,8 +53,12 @@ __all__ = [
     "dataset_score",
     "aggregate_scores",
     "select_subset",
+    "split_prompt",
+    "truncate_middle",
     "load_longbench",
     "build_prompt_v2",
+    "split_at_context",
+    "chat_prompt",
     "parse_choice",
     "v2_accuracy",
     "fits_in_budget",
@@ -254,6 +259,49 @@ def select_subset(examples: Sequence[Any], n: int, seed: int = 0) -> list[Any]:
     return [examples[i] for i in idx]
 
 
+def split_prompt(dataset: str, example: Mapping[str, Any]) -> tuple[str, str]:
+    """The native prompt cut right after the context: ``(head, question)``, ``head + question == prompt``.
+
+    ``head`` (instruction + context) is what a recurrent reader ingests into its state; ``question``
+    (the template text after ``{context}``, with ``{input}`` filled in) is what it reads at answer time.
+    """
+    _check_dataset(dataset)
+    before, after = DATASET2PROMPT[dataset].split("{context}")
+    return before.format(**example) + str(example["context"]), after.format(**example)
+
+
+def _ids(tokenizer, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def truncate_middle(tokenizer, head: str, question: str, max_length: int | None) -> tuple[str, str, bool]:
+    """Official v1 middle truncation (``pred.py``) of the prompt ``head + question`` to ``max_length`` tokens.
+
+    When the tokenised prompt is longer than ``max_length``, only its first and last
+    ``max_length // 2`` tokens are kept (decoded and joined, as ``pred.py`` does); the question, at
+    the end of the prompt, survives whole while it is shorter than half the budget (else ValueError).
+    -> (head, question, truncated?). ``max_length=None`` never truncates. ``tokenizer`` is a
+    transformers tokenizer (``__call__`` -> ``input_ids``, ``decode``).
+    """
+    if max_length is None:
+        return head, question, False
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
+    ids = _ids(tokenizer, head + question, True)
+    if len(ids) <= max_length:
+        return head, question, False
+    half = max_length // 2
+    n_q = len(_ids(tokenizer, question, False))
+    if n_q >= half:
+        raise ValueError(f"question of {n_q} tokens does not fit in half of max_length={max_length}")
+    first = tokenizer.decode(ids[:half], skip_special_tokens=True)
+    last = tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    if last.endswith(question):
+        return first + last[: len(last) - len(question)], question, True
+    # The tokeniser merged across the context/question boundary: cut by the question's token count.
+    return first + tokenizer.decode(ids[-half:-n_q], skip_special_tokens=True), question, True
+
+
 # ----------------------------------------------------------------------------- I/O helpers
 
 
@@ -358,6 +406,9 @@ V2_PROMPT_0SHOT = (
     "Format your response as follows: \"The correct answer is (insert answer here)\"."
 )
 
+#: Max new tokens of v2 ``pred.py`` without chain-of-thought.
+V2_MAX_NEW_TOKENS = 128
+
 #: The paper's v2 subset (App. C.2): these domains, plus the "User guide QA" sub-domain.
 V2_PAPER_DOMAINS = ("Single-Document QA", "Multi-Document QA", "Long-dialogue History Understanding")
 V2_PAPER_SUB_DOMAINS = ("User guide QA",)
@@ -370,6 +421,29 @@ def build_prompt_v2(example: Mapping[str, Any]) -> str:
                     ("$C_C$", "choice_C"), ("$C_D$", "choice_D")):
         prompt = prompt.replace(ph, str(example[key]).strip())
     return prompt
+
+
+def chat_prompt(tokenizer, prompt: str, use_template: bool = True) -> str:
+    """``prompt`` as one user turn of the tokenizer's chat template (with the generation prompt), or
+    unchanged when ``use_template`` is off or the tokenizer has no template (v2 ``pred.py``)."""
+    if not use_template or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def split_at_context(prompt: str, context: str) -> tuple[str, str]:
+    """Cut ``prompt`` right after the (last occurrence of the stripped) ``context``: ``(head, question)``.
+
+    The head (instructions + document) is ingested, the question part (question, choices, output
+    format, chat-template suffix) is read at answer time; ``head + question == prompt``.
+    """
+    ctx = str(context).strip()
+    at = prompt.rfind(ctx) if ctx else -1
+    if at < 0:
+        raise ValueError("context not found in the prompt")
+    end = at + len(ctx)
+    return prompt[:end], prompt[end:]
 
 
 def parse_choice(response: str) -> str | None:
