@@ -36,6 +36,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--run-dir", default=None, help="checkpoint dir (default runs/<out name>)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (a GPU lease trains in minutes)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--mlp", type=int, default=256)
+    ap.add_argument("--tokens-per-step", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--length", type=int, nargs="*", default=[1024])
     ap.add_argument("--n", type=int, default=50)
@@ -71,8 +76,9 @@ def main(argv=None) -> int:
 
     # resume: reuse the tokenizer already written next to the model (it is the canonical one)
     tok = load_tokenizer(out) if (out / "tokenizer.json").is_file() else build_tokenizer()
-    mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden)
-    tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads)
+    mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads, mlp=args.mlp)
+    tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
+                        tokens_per_step=args.tokens_per_step, lr=args.lr)
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0
 

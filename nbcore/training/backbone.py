@@ -66,6 +66,7 @@ class TrainConfig:
     prose_frac: float = 0.1  # fraction of sequences that are plain prose LM
     threads: int = 2
     ckpt_every_s: float = 180.0
+    device: str = "cpu"          # "cuda" on a GPU lease (fla kernels for GDN when installed)
     # curriculum phases: (min len, max len, tasks, advance when teacher-forced answer EM (EMA)
     # exceeds this, or at the latest at this fraction of the time budget). Performance-gated:
     # on a loaded 2-core machine a time-only schedule moved on before the answer loss had left
@@ -326,16 +327,16 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     random.seed(tc.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / "ckpt.pt"
-    model = build_model(mc, tok)
+    model = build_model(mc, tok).to(tc.device)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
                             weight_decay=tc.weight_decay)
     step, elapsed, tokens, phase = 0, 0.0, 0, 0
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = torch.load(ckpt_path, weights_only=False, map_location=tc.device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         step, elapsed, tokens = ck["step"], ck["elapsed"], ck["tokens"]
-        torch.set_rng_state(ck["torch_rng"])
+        torch.set_rng_state(ck["torch_rng"].cpu())
         phase = ck.get("phase", 0)
         log(f"resumed from {ckpt_path} at step {step}, {elapsed:.0f}s, {tokens} tokens")
     n_params = sum(p.numel() for p in model.parameters())
@@ -346,7 +347,8 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     phase_log = ck.get("phase_log", []) if ckpt_path.exists() else []
 
     def meta():
-        return {"model": asdict(mc), "train": {k: v for k, v in asdict(tc).items() if k != "phases"},
+        return {"model": asdict(mc), "train": {k: v for k, v in asdict(tc).items() if k not in ("phases", "device")},
+                "device": tc.device,
                 "phases": [[p[0], p[1], list(p[2]), p[3], p[4]] for p in tc.phases],
                 "phase_log": phase_log,
                 "params": n_params, "steps": step, "tokens": tokens,
@@ -368,7 +370,7 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
             ema = None
             phase_log.append({"phase": phase, "step": step, "elapsed_s": round(time.time() - t0)})
             log(f"advancing to phase {phase} at step {step}")
-        ids, ans, lm = make_batch(step, phase, tc, tok)
+        ids, ans, lm = (x.to(tc.device) for x in make_batch(step, phase, tc, tok))
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, step, tc)
         loss, a_l, l_l, em = loss_fn(model, ids, ans, lm, tc.lm_weight)
