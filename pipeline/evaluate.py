@@ -73,6 +73,7 @@ class EvalJobConfig:
     ray: RaySpec = field(default_factory=RaySpec)
     report_title: str = "RULER evaluation"
     progress: bool = True
+    report_only: bool = False                       # rebuild results/report from finished cells, run nothing
 
     def validate(self):
         from nbcore.evals.ruler_eval import method_config
@@ -222,6 +223,9 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
     cells = plan_cells(cfg)
     fs, _ = fsspec.core.url_to_fs(cfg.output)
     todo = [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
+    missing = len(todo)
+    if cfg.report_only:
+        todo = []
     remote = ray.remote(num_cpus=cfg.num_cpus_per_cell, num_gpus=cfg.num_gpus_per_cell, max_retries=2)(run_cell)
     # Longest first: better packing, and the slow 1M cells start early.
     todo.sort(key=lambda c: -c["length"])
@@ -246,8 +250,9 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
             pq.write_table(rows, f)
         if fs.protocol in ("file", ("file", "local")) or "://" not in cfg.output:
             summary = write_report(rows.to_pandas(), out_local, cfg.report_title, meta=_report_meta(cfg, cells))
-    return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - len(todo),
-            "cells_failed": len(failed), "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
+    return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - missing,
+            "cells_failed": len(failed), "cells_missing": missing if cfg.report_only else len(failed),
+            "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
             "summary_keys": len(summary)}
 
 

@@ -149,3 +149,17 @@ def test_lora_section_is_the_2x2(tmp_path):
     assert "| w/o NoteBank | 10.00 | 20.00 |" in text and "| w/ NoteBank (top-2) | 30.00 | 40.00 |" in text
     write_report(pd.DataFrame(rows), str(tmp_path))
     assert "Table 4" in (tmp_path / "report.md").read_text()
+
+
+def test_report_only_rebuilds_from_finished_cells(ray_session, tmp_path):
+    model = json.dumps(TINY_MODEL)
+    args = [f"output={tmp_path}", f"backbones=[{{name: r, model: {model}, notebank: {{chunk_size: 256}}}}]",
+            "tasks=[niah_single_1]", "lengths=[1K]", "n_examples=2", "methods=[plain]", "max_new_tokens=2",
+            "progress=false"]
+    only = run_sweep(load_config(EvalJobConfig, None, args + ["report_only=true"]))
+    assert only["cells_run"] == 0 and only["cells_missing"] == 2 and not (tmp_path / "summary.json").exists()
+    run_sweep(load_config(EvalJobConfig, None, args[:4] + ["n_examples=1"] + args[5:]))
+    again = run_sweep(load_config(EvalJobConfig, None, args + ["report_only=true"]))
+    assert again["cells_missing"] == 1 and again["cells_skipped"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"r/plain/1K": pytest.approx(
+        pq.read_table(tmp_path / "results.parquet").to_pandas().score.mean())}
