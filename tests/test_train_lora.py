@@ -117,3 +117,15 @@ def test_ray_train_two_workers_resume_and_load(ray_session, tmp_path):
     a1 = answer(bb, res.state, res.archive, ex["question"], rc)
     assert a0.retrieved == a1.retrieved and a0.votes == a1.votes        # probe/routing identical
     assert a0.token_ids != a1.token_ids                                  # the reader changed
+
+
+def test_job_train_spec_mirrors_core_config():
+    """pipeline TrainSpec types the YAML `train:` section; it must stay field-for-field and
+    default-for-default equal to nbcore's LoraTrainConfig (minus the nested nb/lora dicts)."""
+    import dataclasses
+
+    from nbcore.training.lora import LoraTrainConfig
+    from pipeline.train_lora import TrainSpec
+    core = {f.name: f.default for f in dataclasses.fields(LoraTrainConfig) if f.name not in ("nb", "lora")}
+    job = {f.name: f.default for f in dataclasses.fields(TrainSpec)}
+    assert job == core
