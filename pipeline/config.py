@@ -93,6 +93,10 @@ class IngestJobConfig:
     ray: RaySpec = field(default_factory=RaySpec)
     limit: int | None = None               # ingest at most this many corpus rows
     progress: bool = True
+    memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state, issue 7)
+    mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
+    append: bool = False                   # mone: a row whose doc_id is archived with other text continues
+                                           # its fast-weight state (incremental ingest)
 
     def validate(self):
         if not self.corpus:
@@ -101,6 +105,9 @@ class IngestJobConfig:
             raise ConfigError("output is required (--set output=URL)")
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
+        validate_memory(self.memory, self.model)
+        if self.append and self.memory != "mone":
+            raise ConfigError("append: true needs memory: mone (NoteBank archives are not appendable)")
         self.model.validate()
         self.actors.validate()
         try:
@@ -123,11 +130,16 @@ class QueryJobConfig:
     actors: ActorSpec = field(default_factory=ActorSpec)
     ray: RaySpec = field(default_factory=RaySpec)
     progress: bool = True
+    memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state, issue 7)
+    mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
 
     def validate(self):
         for name in ("questions", "archive", "output"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} is required (--set {name}=URL)")
+        validate_memory(self.memory, self.model)
+        if self.memory == "mone":
+            return self._validate_mone()
         if not self.methods:
             raise ConfigError("methods must not be empty")
         if "jrt" in self.methods:
@@ -144,6 +156,37 @@ class QueryJobConfig:
 
     def read_configs(self) -> list[ReadConfig]:
         return [dataclasses.replace(self.read, method=m) for m in self.methods]
+
+    def _validate_mone(self):
+        """memory: mone answers with method `mone` only (the notebank default list becomes [mone]);
+        of `read`, max_new_tokens, stop and stop_at_eos apply."""
+        if self.methods == QueryJobConfig().methods:
+            self.methods = list(MONE_METHODS)
+        bad = [m for m in self.methods if m not in MONE_METHODS]
+        if not self.methods or bad:
+            raise ConfigError(f"methods: memory: mone answers with {list(MONE_METHODS)} only, got {self.methods}")
+        if not isinstance(self.read.max_new_tokens, int) or self.read.max_new_tokens < 0:
+            raise ConfigError(f"read.max_new_tokens must be >= 0, got {self.read.max_new_tokens!r}")
+        self.model.validate()
+        self.actors.validate()
+        return self
+
+
+MEMORIES = ("notebank", "mone")
+MONE_METHODS = ("mone",)
+
+
+def validate_memory(memory: str, model: ModelSpec) -> None:
+    """`memory` is notebank or mone; mone needs a checkpoint directory (frozen Qwen2-family base) on CPU."""
+    if memory not in MEMORIES:
+        raise ConfigError(f"memory must be one of {list(MEMORIES)}, got {memory!r}")
+    if memory == "mone":
+        if not model.path:
+            raise ConfigError("memory: mone needs model.path (a frozen Qwen2-family checkpoint dir, e.g. "
+                              "models/tiny-qwen2), not model.hf_config")
+        if model.device == "cuda" or model.adapter or model.dtype not in (None, "float32"):
+            raise ConfigError("memory: mone runs in float32 on CPU without an NB-LoRA adapter: leave model.device "
+                              "auto/cpu, model.dtype null/float32 and model.adapter null")
 
 
 @dataclass

@@ -30,8 +30,11 @@ def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[DocRecord], None] | No
 
     on_commit(record) is called after each document record is written (tests, progress hooks).
     workers: (handles, infos) of an existing pool to reuse (benchmarks); else a pool is started and
-    stopped here."""
+    stopped here. `memory: mone` ingests per-document MoNe states instead (pipeline.mone_pipeline)."""
     cfg.validate()
+    if cfg.memory == "mone":
+        from pipeline.mone_pipeline import run_ingest_mone
+        return run_ingest_mone(cfg, on_commit=on_commit, workers=workers)
     t_start = time.perf_counter()
     store = ArchiveStore(cfg.output)
     store.clean_tmp()

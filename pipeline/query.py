@@ -44,12 +44,19 @@ def _rc_dict(rc) -> dict:
 
 
 def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
+    """`memory: mone` answers from per-document MoNe states instead (pipeline.mone_pipeline)."""
     cfg.validate()
+    if cfg.memory == "mone":
+        from pipeline.mone_pipeline import run_query_mone
+        return run_query_mone(cfg, workers=workers)
     t_start = time.perf_counter()
     store = ArchiveStore(cfg.archive)
     run = store.read_run()
     if run is None:
         raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no {store.url_of(store.REL_RUN)})")
+    if run["fingerprint"].get("memory", "notebank") != "notebank":
+        raise FingerprintMismatch(f"{cfg.archive} holds {run['fingerprint']['memory']} memory states, not NoteBank "
+                                  f"archives: set memory: {run['fingerprint']['memory']}")
     questions, rejected = read_questions(cfg.questions)
     groups: "OrderedDict[str, list]" = OrderedDict()
     for q in questions:

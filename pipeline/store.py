@@ -6,6 +6,8 @@ Layout (see schemas/manifest.py):
     <root>/manifest/rejected/<h>.json   rows without a usable key (missing/unsafe/duplicate doc_id)
     <root>/notes/<key>.parquet
     <root>/state/<key>.safetensors
+With `memory: mone` (schemas/mone.py) the records are MoneDocRecords and the only data file is the
+fast-weight state, `state/<key>.p<part>.safetensors` (a new name per appended part).
 
 Commit protocol (single writer: the driver): each file is written under a temporary name
 (`<name>.tmp-<token>`) and renamed into place; the manifest record is written last. A document is
@@ -84,6 +86,9 @@ class ArchiveStore:
     @staticmethod
     def rel_record(key): return f"manifest/docs/{key}.json"
 
+    @staticmethod
+    def rel_mone_state(key, part: int): return f"state/{key}.p{part:05d}.safetensors"
+
     REL_RUN = "manifest/_run.json"
 
     # ---- low-level atomic write -----------------------------------------------------------------
@@ -135,7 +140,7 @@ class ArchiveStore:
                 + ". Use a new output folder, or the original model/config.")
 
     # ---- records --------------------------------------------------------------------------------
-    def load_records(self) -> dict[str, DocRecord]:
+    def load_records(self, record_cls=DocRecord) -> dict[str, DocRecord]:
         d = self.path("manifest/docs")
         if not self.fs.exists(d):
             return {}
@@ -144,15 +149,15 @@ class ArchiveStore:
             name = posixpath.basename(p)
             if not name.endswith(".json") or TMP_MARK in name:
                 continue
-            rec = DocRecord.from_bytes(self.fs.cat_file(p), self.fs.unstrip_protocol(p))
+            rec = record_cls.from_bytes(self.fs.cat_file(p), self.fs.unstrip_protocol(p))
             out[name[: -len(".json")]] = rec
         return out
 
-    def load_record(self, key: str) -> DocRecord | None:
+    def load_record(self, key: str, record_cls=DocRecord) -> DocRecord | None:
         rel = self.rel_record(key)
         if not self.exists(rel):
             return None
-        return DocRecord.from_bytes(self.read_bytes(rel), self.url_of(rel))
+        return record_cls.from_bytes(self.read_bytes(rel), self.url_of(rel))
 
     def count_rejected(self) -> int:
         d = self.path("manifest/rejected")
@@ -166,6 +171,28 @@ class ArchiveStore:
         record.key, record.status, record.committed_at = key, "ok", utc_now()
         self._atomic_write(self.rel_record(key), record.to_bytes())
         return record
+
+    def commit_mone(self, key: str, part: int, state: bytes, record, previous=None):
+        """MoNe: write part ``part``'s state file, then the record (the commit); then remove the state
+        file of the previous part (``previous``: its FileRef), which no record names any more."""
+        record.state = self._atomic_write(self.rel_mone_state(key, part), state)
+        record.bytes = record.state.size
+        record.key, record.status, record.committed_at = key, "ok", utc_now()
+        self._atomic_write(self.rel_record(key), record.to_bytes())
+        if previous is not None and previous.path != record.state.path and self.exists(previous.path):
+            self.fs.rm_file(self.path(previous.path))
+        return record
+
+    def mone_payload(self, key: str, verify: bool = True) -> dict:
+        """MoNe: the state bytes of a committed document, checked against its record."""
+        from schemas.mone import MoneDocRecord
+        rec = self.load_record(key, MoneDocRecord)
+        if rec is None:
+            raise ArchiveError(f"{self.url_of(self.rel_record(key))}: document not ingested (no manifest record)")
+        if rec.status != "ok":
+            raise ArchiveError(f"{self.url_of(self.rel_record(key))}: document failed at ingest: {rec.error}")
+        data = self.read_verified(rec.state) if verify else self.read_bytes(rec.state.path)
+        return {"doc_id": rec.doc_id, "key": key, "state": data, "state_url": self.url_of(rec.state.path)}
 
     def record_failure(self, record: DocRecord) -> DocRecord:
         record.status = "failed"

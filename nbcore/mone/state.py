@@ -42,29 +42,60 @@ class MoNeState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def meta(self, extra_meta: dict | None = None) -> dict:
+        """Counters and format tag (JSON-able)."""
+        return {"format": FORMAT, "n_layers": len(self.layers), "n_segments": self.n_segments,
+                "n_tokens": self.n_tokens, "segment_len": self.segment_len, "extra": extra_meta or {}}
+
+    def to_bytes(self, extra_meta: dict | None = None) -> bytes:
+        """Deterministic safetensors bytes (ONE metadata key holding sorted JSON: safetensors writes
+        several metadata keys in hash order, which would make the bytes vary run to run)."""
+        from safetensors.torch import save
+        return save(self.tensors(), metadata={"mone": json.dumps(self.meta(extra_meta), sort_keys=True)})
+
     def save(self, path: str | Path, extra_meta: dict | None = None) -> Path:
-        from safetensors.torch import save_file
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"format": FORMAT, "n_layers": str(len(self.layers)), "n_segments": str(self.n_segments),
-                "n_tokens": str(self.n_tokens), "segment_len": str(self.segment_len),
-                "extra": json.dumps(extra_meta or {})}
-        save_file(self.tensors(), str(p), metadata=meta)
+        p.write_bytes(self.to_bytes(extra_meta))
         return p
 
     @classmethod
-    def load(cls, path: str | Path) -> "MoNeState":
-        from safetensors import safe_open
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata()
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"{path}: not a {FORMAT} file (format={meta.get('format')!r})")
-            n_layers = int(meta["n_layers"])
-            layers = [FastWeights(**{k: f.get_tensor(f"layers.{l}.{k}") for k in mem.WEIGHTS + mem.MOMENTA})
+    def from_bytes(cls, data: bytes, where: str = "MoNe state") -> "MoNeState":
+        """Inverse of ``to_bytes``; a clear ValueError for anything that is not a MoNe state."""
+        from safetensors.torch import load
+        try:
+            meta = json.loads(_safetensors_metadata(data).get("mone", "{}"))
+            tensors = load(data)
+        except Exception as e:  # noqa: BLE001 - truncated/corrupted bytes of any kind
+            raise ValueError(f"{where}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a {FORMAT} file (format={meta.get('format')!r})")
+        return cls._from_parts(tensors, meta, where)
+
+    @classmethod
+    def _from_parts(cls, tensors: dict, meta: dict, where: str) -> "MoNeState":
+        n_layers = int(meta["n_layers"])
+        try:
+            layers = [FastWeights(**{k: tensors[f"layers.{l}.{k}"] for k in mem.WEIGHTS + mem.MOMENTA})
                       for l in range(n_layers)]
-            pending = f.get_tensor("pending_ids").tolist()
-        return cls(layers=layers, pending=pending, n_segments=int(meta["n_segments"]),
+        except KeyError as e:
+            raise ValueError(f"{where}: missing tensor {e.args[0]!r}") from e
+        return cls(layers=layers, pending=tensors["pending_ids"].tolist(), n_segments=int(meta["n_segments"]),
                    n_tokens=int(meta["n_tokens"]), segment_len=int(meta["segment_len"]))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MoNeState":
+        return cls.from_bytes(Path(path).read_bytes(), str(path))
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The ``__metadata__`` map of safetensors bytes (header only)."""
+    if len(data) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise ValueError(f"header length {n} exceeds the size {len(data)}")
+    return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
 
 
 def new_state(model) -> MoNeState:
