@@ -90,3 +90,37 @@ def test_shared_pass_rejects_configs_with_other_features():
     bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
     with pytest.raises(ValueError, match="chunk_size"):
         ingest(bb, "x " * 400, NoteBankConfig(chunk_size=256), also=[NoteBankConfig(chunk_size=128)])
+
+
+@pytest.mark.parametrize("n_notes,note_len", [(1, 1), (7, 13), (31, 63)], ids=["N1-L1", "N7-L13", "N31-L63"])
+def test_embmax_matches_naive_reference(n_notes, note_len):
+    from nbcore.notebank.routers import archive_idf, embmax_scores, embmax_scores_naive
+    g = torch.Generator().manual_seed(n_notes)
+    V = 50
+    emb = torch.randn(V, 8, generator=g)
+    notes = [torch.randint(0, V, (int(torch.randint(1, note_len + 1, (1,), generator=g)),), generator=g).numpy()
+             for _ in range(n_notes)]
+    q = torch.randint(0, V, (9,), generator=g)
+    idf = archive_idf(notes, V)
+    assert torch.allclose(embmax_scores(q, notes, emb, idf), embmax_scores_naive(q, notes, emb, idf), atol=1e-5)
+
+
+def test_embmax_ignores_shared_words_and_finds_the_rare_one():
+    """A word present in every note has idf log((N+1)/(N+1)) = 0; the note holding the
+    question's rare word wins even though other notes share more (template) words."""
+    from nbcore.notebank.routers import archive_idf, embmax_scores
+    emb = torch.eye(20)                                   # orthogonal embeddings: exact matching
+    notes = [np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5]), np.array([1, 9, 6])]
+    idf = archive_idf(notes, 20)
+    assert idf[1] == 0 and idf[9] > idf[2] > 0
+    s = embmax_scores(torch.tensor([1, 2, 3, 9]), notes, emb, idf)
+    assert int(torch.argmax(s)) == 2
+
+
+def test_embmax_router_end_to_end():
+    bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
+    text, needles = needle_text(3000, 2, seed=0)
+    res = ingest(bb, text, NoteBankConfig(chunk_size=256, note_budget=96))
+    ans = answer(bb, res.state, res.archive, f"What is the special magic number for {needles[0][0]}?",
+                 method_config("nb-embmax-top2", max_new_tokens=1))
+    assert 1 <= len(ans.retrieved) <= 2
