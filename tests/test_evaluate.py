@@ -163,3 +163,15 @@ def test_report_only_rebuilds_from_finished_cells(ray_session, tmp_path):
     assert again["cells_missing"] == 1 and again["cells_skipped"] == 1
     assert json.loads((tmp_path / "summary.json").read_text()) == {"r/plain/1K": pytest.approx(
         pq.read_table(tmp_path / "results.parquet").to_pandas().score.mean())}
+
+
+def test_coverage_vs_bm25_is_paired_by_example():
+    """A router run on a subset of examples is compared with BM25 on that subset only."""
+    from nbcore.evals.report import coverage_vs_bm25, routers_section
+    rows = [_row("nb-bm25-top2", "a", 4096, 0, 1.0), _row("nb-bm25-top2", "a", 4096, 0, 0.0),
+            _row("nb-embmax-top2", "a", 4096, 0, 1.0)]
+    rows[1]["index"] = 1                                   # bm25 missed example 1; embmax ran only on 0
+    cmp = coverage_vs_bm25(pd.DataFrame(rows), lengths=[4096])
+    assert cmp[["router", "cov", "bm25_cov", "ratio"]].values.tolist() == [["embmax", 1.0, 1.0, 1.0]]
+    text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
+    assert "| embmax | - |" in text and "address storage 0 B" in text

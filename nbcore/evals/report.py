@@ -152,7 +152,9 @@ def plot_cost(df, path: str) -> None:
     plt.close(fig)
 
 
-NATIVE_VARIANTS = ("tf", "margin", "sum", "m4", "m4margin", "m4sum", "qnovel", "qnovelmargin", "m4qnovelmargin")
+NATIVE_VARIANTS = ("tf", "margin", "sum", "m4", "m4margin", "m4sum", "qnovel", "qnovelmargin", "m4qnovelmargin",
+                   "embmax")
+ADDRESS_FREE = ("embmax",)        # native routers that read stored token ids, not addresses
 EXTERNAL_ROUTERS = ("bm25", "dense", "meanemb", "random", "oracle")
 
 
@@ -187,12 +189,14 @@ def coverage_vs_bm25(df, lengths=None, r: int = 2):
     d = d[d.router.notna()]
     if lengths is not None:
         d = d[d.length.isin(list(lengths))]
-    g = d.groupby(["backbone", "router", "task", "length"])["retrieved_cov"].mean().reset_index()
-    bm = g[g.router == "bm25"].rename(columns={"retrieved_cov": "bm25_cov"}).drop(columns="router")
-    nat = g[g.router.isin(NATIVE_VARIANTS)].rename(columns={"retrieved_cov": "cov"})
+    # paired: a variant is compared with BM25 on the examples both were run on
+    key = ["backbone", "task", "length", "index"]
+    bm = d[d.router == "bm25"][key + ["retrieved_cov"]].rename(columns={"retrieved_cov": "bm25_cov"})
+    nat = d[d.router.isin(NATIVE_VARIANTS)][key + ["router", "retrieved_cov"]].rename(columns={"retrieved_cov": "cov"})
     if bm.empty or nat.empty:
         return pd.DataFrame(columns=["backbone", "router", "task", "length", "cov", "bm25_cov", "ratio"])
-    m = nat.merge(bm, on=["backbone", "task", "length"])
+    m = nat.merge(bm.drop_duplicates(key), on=key)
+    m = m.groupby(["backbone", "router", "task", "length"])[["cov", "bm25_cov"]].mean().reset_index()
     m["ratio"] = np.where(m.bm25_cov > 0, m["cov"] / m.bm25_cov.where(m.bm25_cov > 0, 1), 1.0)
     return m
 
@@ -258,7 +262,7 @@ def routers_section(df, r: int = 2, bar_lengths=(1 << 16, 1 << 20)) -> list[str]
                     cells.append(f"{row.score:.1f} \| {row.archived_cov:.2f} \| {row.retrieved_cov:.2f}")
                 else:
                     cells.append("")
-            nbytes = int(g["address_bytes_per_note"].max()) if router in NATIVE_VARIANTS else 0
+            nbytes = int(g["address_bytes_per_note"].max()) if router in NATIVE_VARIANTS and router not in ADDRESS_FREE else 0
             lines.append(f"| {router} | {nbytes if nbytes else '-'} | " + " | ".join(cells) + " |")
         lines.append("")
         cmp = coverage_vs_bm25(df[df.backbone == bb], lengths=[x for x in bar_lengths if x in lengths], r=r)
@@ -267,7 +271,7 @@ def routers_section(df, r: int = 2, bar_lengths=(1 << 16, 1 << 20)) -> list[str]
         paper_bytes = d[d.router == "tf"]["address_bytes_per_note"].max() if (d.router == "tf").any() else None
         rank = cmp.groupby("router")["ratio"].agg(["min", "mean"]).sort_values(["min", "mean"], ascending=False)
         best = rank.index[0]
-        best_bytes = d[d.router == best]["address_bytes_per_note"].max()
+        best_bytes = 0 if best in ADDRESS_FREE else d[d.router == best]["address_bytes_per_note"].max()
         storage = (f"{best_bytes / paper_bytes:.0f}x the paper's {int(paper_bytes)} B"
                    if paper_bytes else f"{int(best_bytes)} B")
         lines += [f"Retrieved coverage relative to BM25 at {', '.join(length_label(x) for x in sorted(cmp.length.unique()))} "
