@@ -174,4 +174,4 @@ def test_coverage_vs_bm25_is_paired_by_example():
     cmp = coverage_vs_bm25(pd.DataFrame(rows), lengths=[4096])
     assert cmp[["router", "cov", "bm25_cov", "ratio"]].values.tolist() == [["embmax", 1.0, 1.0, 1.0]]
     text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
-    assert "| embmax | - |" in text and "address storage 0 B" in text
+    assert "| embmax | - |" in text and "address storage none" in text
