@@ -175,3 +175,8 @@ def test_coverage_vs_bm25_is_paired_by_example():
     assert cmp[["router", "cov", "bm25_cov", "ratio"]].values.tolist() == [["embmax", 1.0, 1.0, 1.0]]
     text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
     assert "| embmax | - |" in text and "address storage none" in text
+
+
+def test_summary_leaves_out_methods_measured_on_fewer_tasks():
+    rows = [_row("plain", t, 4096, 50, 0.0) for t in ("a", "b")] + [_row("nb-dense-top2", "a", 4096, 100, 1.0)]
+    assert summarize(rows) == {"m/plain/4K": 50.0}
