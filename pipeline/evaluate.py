@@ -102,6 +102,10 @@ class EvalJobConfig:
             for x in table:
                 if parse_length(x) not in known:
                     raise ConfigError(f"{label}: length {x!r} is not in lengths {self.lengths}")
+        for b in self.backbones:                   # an entry that plans no cell is a config mistake
+            if not any(self.methods_at(b, L) for L in self.lengths_for(b)):
+                raise ConfigError(f"backbones[{b.name}]: no method left at any of its lengths "
+                                  f"(methods_by_length filters entry methods too)")
         counts = [self.n_examples, *self.n_examples_by_length.values(),
                   *(v for b in self.backbones for v in b.n_examples_by_length.values())]
         if any(int(v) < 1 for v in counts):

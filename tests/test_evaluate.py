@@ -180,3 +180,10 @@ def test_coverage_vs_bm25_is_paired_by_example():
 def test_summary_leaves_out_methods_measured_on_fewer_tasks():
     rows = [_row("plain", t, 4096, 50, 0.0) for t in ("a", "b")] + [_row("nb-dense-top2", "a", 4096, 100, 1.0)]
     assert summarize(rows) == {"m/plain/4K": 50.0}
+
+
+def test_entry_that_plans_nothing_is_an_error():
+    with pytest.raises(ConfigError, match="no method left"):
+        load_config(EvalJobConfig, None, [
+            "backbones=[{name: a, model: {path: m}, methods: [nb-dense-top2], lengths: [1M]}]",
+            "lengths=[4K, 1M]", "methods=[plain]", "methods_by_length={1M: [plain]}"]).validate()
