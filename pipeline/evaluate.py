@@ -105,7 +105,8 @@ class EvalJobConfig:
         for b in self.backbones:                   # an entry that plans no cell is a config mistake
             if not any(self.methods_at(b, L) for L in self.lengths_for(b)):
                 raise ConfigError(f"backbones[{b.name}]: no method left at any of its lengths "
-                                  f"(methods_by_length filters entry methods too)")
+                                  f"(methods_by_length filters the job's methods; give the entry "
+                                  f"its own methods to run others)")
         counts = [self.n_examples, *self.n_examples_by_length.values(),
                   *(v for b in self.backbones for v in b.n_examples_by_length.values())]
         if any(int(v) < 1 for v in counts):
@@ -122,8 +123,12 @@ class EvalJobConfig:
         return by.get(parse_length(length), self.n_examples)
 
     def methods_at(self, entry: BackboneEntry, length: str) -> list[str]:
-        """entry.methods (or the job's), restricted to methods_by_length[length] when given."""
-        ms = list(entry.methods or self.methods)
+        """The job's methods restricted to methods_by_length[length] when given; an entry that names
+        its own ``methods`` gets exactly those at each of its lengths (add-on entries exist to run
+        what the job-wide table leaves out, e.g. the dense router at 1M)."""
+        if entry.methods:
+            return list(entry.methods)
+        ms = list(self.methods)
         by = {parse_length(k): list(v) for k, v in self.methods_by_length.items()}
         allowed = by.get(parse_length(length))
         return [m for m in ms if allowed is None or m in allowed]

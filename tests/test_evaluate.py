@@ -8,7 +8,7 @@ import pytest
 from nbcore.evals.report import length_label, summarize, write_report
 from nbcore.evals.ruler_eval import coverage, method_config
 from pipeline.config import ConfigError, load_config
-from pipeline.evaluate import EvalJobConfig, run_sweep
+from pipeline.evaluate import EvalJobConfig, plan_cells, run_sweep
 
 from conftest import TINY_MODEL
 
@@ -185,5 +185,17 @@ def test_summary_leaves_out_methods_measured_on_fewer_tasks():
 def test_entry_that_plans_nothing_is_an_error():
     with pytest.raises(ConfigError, match="no method left"):
         load_config(EvalJobConfig, None, [
-            "backbones=[{name: a, model: {path: m}, methods: [nb-dense-top2], lengths: [1M]}]",
-            "lengths=[4K, 1M]", "methods=[plain]", "methods_by_length={1M: [plain]}"]).validate()
+            "backbones=[{name: a, model: {path: m}, lengths: [1M]}]",
+            "lengths=[4K, 1M]", "methods=[jrt]", "methods_by_length={1M: [plain]}"]).validate()
+
+
+def test_entry_methods_override_methods_by_length():
+    """An add-on entry runs what it names even where the job-wide table leaves it out."""
+    cfg = load_config(EvalJobConfig, None, [
+        "backbones=[{name: a, model: {path: m}}, {name: d, report_as: a, model: {path: m}, "
+        "methods: [nb-dense-top2], lengths: [1M]}]",
+        "lengths=[4K, 1M]", "methods=[plain, nb-dense-top2]", "methods_by_length={1M: [plain]}",
+        "tasks=[niah_single_1]", "n_examples=1"]).validate()
+    planned = sorted((c["backbone"], c["length"], tuple(c["methods"])) for c in plan_cells(cfg))
+    assert planned == [("a", 4096, ("plain", "nb-dense-top2")), ("a", 1 << 20, ("plain",)),
+                       ("d", 1 << 20, ("nb-dense-top2",))]
