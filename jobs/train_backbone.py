@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp", type=int, default=256)
     ap.add_argument("--tokens-per-step", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--bigram-heads", type=int, default=0,
+                    help="GDN heads per layer with the bigram induction init (0: all unigram)")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--length", type=int, nargs="*", default=[1024])
     ap.add_argument("--n", type=int, default=50)
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
 
     # resume: reuse the tokenizer already written next to the model (it is the canonical one)
     tok = load_tokenizer(out) if (out / "tokenizer.json").is_file() else build_tokenizer()
-    mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads, mlp=args.mlp)
+    mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads, mlp=args.mlp,
+                        bigram_heads=args.bigram_heads)
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
                         tokens_per_step=args.tokens_per_step, lr=args.lr)
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))

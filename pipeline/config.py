@@ -81,6 +81,25 @@ class RaySpec:
 
 
 @dataclass
+class BenchmarkJobConfig:
+    """Keys every `benchmark:` job of jobs/evaluate.py has (pipeline/benchmarks.py). A job redeclares
+    the defaults of benchmark, output and report_title; these keys come first in its config."""
+
+    benchmark: str = ""                             # picks the job's config in jobs/evaluate.py
+    output: str = ""
+    report_title: str = ""
+    progress: bool = True
+    ray: RaySpec = field(default_factory=RaySpec)
+
+    def check_benchmark(self, name: str) -> None:
+        """The YAML picked this job (`benchmark: name`) and names an output."""
+        if self.benchmark != name:
+            raise ConfigError(f"benchmark must be {name!r} for this job, got {self.benchmark!r}")
+        if not self.output:
+            raise ConfigError("output is required (--set output=PATH)")
+
+
+@dataclass
 class IngestJobConfig:
     """jobs/ingest.py"""
 

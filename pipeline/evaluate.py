@@ -14,13 +14,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
-import ray
-
 from nbcore.config import NoteBankConfig
-from pipeline.config import ConfigError, ModelSpec, RaySpec
+from pipeline.config import BenchmarkJobConfig, ConfigError, ModelSpec
+from pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
 
 K = 1024
 
@@ -49,12 +45,31 @@ class BudgetEntry:
 
 
 @dataclass
-class EvalJobConfig:
+class BackboneSweepConfig(BenchmarkJobConfig):
+    """A job over `backbones` entries (benchmark: ruler and longbench)."""
+
+    backbones: list[BackboneEntry] = field(default_factory=list)
+
+    def check_backbones(self) -> None:
+        """At least one entry, each named without '/' (names and labels are path components) and
+        with a valid model spec."""
+        if not self.backbones:
+            raise ConfigError("backbones: at least one entry is required")
+        for b in self.backbones:
+            if not b.name or "/" in b.name:
+                raise ConfigError(f"backbones: each entry needs a name without '/', got {b.name!r}")
+            b.model.validate(f"backbones[{b.name}].model")
+            if "/" in (b.report_as or ""):
+                raise ConfigError(f"backbones[{b.name}].report_as must not contain '/'")
+
+
+@dataclass
+class EvalJobConfig(BackboneSweepConfig):
     """jobs/evaluate.py (benchmark: ruler)"""
 
-    benchmark: str = "ruler"                        # picks this config in jobs/evaluate.py
+    benchmark: str = "ruler"
     output: str = "out/eval"
-    backbones: list[BackboneEntry] = field(default_factory=list)
+    report_title: str = "RULER evaluation"
     budgets: list[BudgetEntry] = field(default_factory=lambda: [BudgetEntry()])
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_single_3",
                                                       "niah_multikey_1", "niah_multiquery", "niah_multivalue"])
@@ -70,21 +85,11 @@ class EvalJobConfig:
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0
-    ray: RaySpec = field(default_factory=RaySpec)
-    report_title: str = "RULER evaluation"
-    progress: bool = True
     report_only: bool = False                       # rebuild results/report from finished cells, run nothing
 
     def validate(self):
         from nbcore.evals.ruler_eval import method_config
-        if not self.backbones:
-            raise ConfigError("backbones: at least one entry is required")
-        for b in self.backbones:
-            if not b.name or "/" in b.name:
-                raise ConfigError(f"backbones: each entry needs a name without '/', got {b.name!r}")
-            b.model.validate(f"backbones[{b.name}].model")
-            if "/" in (b.report_as or ""):
-                raise ConfigError(f"backbones[{b.name}].report_as must not contain '/'")
+        self.check_backbones()
         names = [*self.methods, *(m for b in self.backbones for m in b.methods),
                  *(m for ms in self.methods_by_length.values() for m in ms)]
         for m in names:
@@ -188,15 +193,7 @@ def run_cell(cell: dict) -> dict:
     for r in rows:
         r.update(backbone=cell.get("report_as") or cell["backbone"], budget=cell["budget"],
                  cell_s=time.perf_counter() - t0, method=rename.get(r["method"], r["method"]))
-    if err is None:
-        table = pa.Table.from_pylist(rows)
-        fs, path = fsspec.core.url_to_fs(cell["path"])
-        fs.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with fs.open(tmp, "wb") as f:
-            pq.write_table(table, f)
-        fs.mv(tmp, path)
-    return {"path": cell["path"], "error": err, "n_tokens": rows[0]["n_tokens"] if rows else 0}
+    return cell_result(cell, rows, err)
 
 
 def plan_cells(cfg: EvalJobConfig) -> list[dict]:
@@ -226,43 +223,37 @@ def plan_cells(cfg: EvalJobConfig) -> list[dict]:
 
 def run_sweep(cfg: EvalJobConfig) -> dict:
     """Run (or resume) the sweep, then write the report. -> summary for the CLI."""
-    from tqdm import tqdm
     cfg.validate()
     t0 = time.perf_counter()
     cells = plan_cells(cfg)
-    fs, _ = fsspec.core.url_to_fs(cfg.output)
-    todo = [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
+    todo = unfinished(cfg.output, cells)
     missing = len(todo)
     if cfg.report_only:
         todo = []
-    remote = ray.remote(num_cpus=cfg.num_cpus_per_cell, num_gpus=cfg.num_gpus_per_cell, max_retries=2)(run_cell)
     # Longest first: better packing, and the slow 1M cells start early.
     todo.sort(key=lambda c: -c["length"])
-    pending = [remote.remote(c) for c in todo]
-    failed, tokens = [], 0
-    bar = tqdm(total=len(pending), desc="cells", unit="cell", disable=not cfg.progress)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        res = ray.get(done[0])
-        tokens += res["n_tokens"]
-        if res["error"]:
-            failed.append(res)
-            bar.write(f"failed {res['path']}: {res['error']}")
-        bar.update(1)
-    bar.close()
-    rows = collect(cfg.output)
-    summary = {}
-    if rows is not None and rows.num_rows:
+    results = run_all(run_cell, todo, cfg.num_cpus_per_cell, cfg.num_gpus_per_cell, progress=cfg.progress)
+    failed = [r for r in results if r["error"]]
+
+    def report(df):
         from nbcore.evals.report import write_report
-        out_local = cfg.output
-        with fs.open(fsspec.core.url_to_fs(cfg.output)[1].rstrip("/") + "/results.parquet", "wb") as f:
-            pq.write_table(rows, f)
-        if fs.protocol in ("file", ("file", "local")) or "://" not in cfg.output:
-            summary = write_report(rows.to_pandas(), out_local, cfg.report_title, meta=_report_meta(cfg, cells))
+        return write_report(drop_repeated_measurements(df), cfg.output, cfg.report_title, meta=_report_meta(cfg, cells))
+
+    summary = finish_sweep(cfg.output, report)
     return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - missing,
             "cells_failed": len(failed), "cells_missing": missing if cfg.report_only else len(failed),
-            "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
+            "tokens": sum(r["n_tokens"] for r in results), "wall_s": round(time.perf_counter() - t0, 2),
             "summary_keys": len(summary)}
+
+
+MEASUREMENT_KEY = ["backbone", "budget", "method", "task", "length", "index"]
+
+
+def drop_repeated_measurements(df):
+    """Keep one row per (backbone, budget, method, task, length, example). Two entries can measure
+    the same example under the same method (an add-on entry such as tiny-gdn-dense1m, run after the
+    main cells already had that method at one task); a repeat would weigh its example twice."""
+    return df.drop_duplicates(subset=MEASUREMENT_KEY, keep="first")
 
 
 def _report_meta(cfg: EvalJobConfig, cells: list[dict]) -> dict:
@@ -282,16 +273,3 @@ def _report_meta(cfg: EvalJobConfig, cells: list[dict]) -> dict:
             "machine": f"{cpu}, {os.cpu_count()} CPUs, GPU: {gpu}",
             "cells": len(cells), "methods": ", ".join(cfg.methods),
             "command": "python jobs/evaluate.py -c <config> (see the config header); resumable"}
-
-
-def collect(output: str):
-    """All finished cells as one Arrow table (None if there are none)."""
-    fs, root = fsspec.core.url_to_fs(output)
-    files = sorted(fs.glob(root.rstrip("/") + "/cells/**/*.parquet"))
-    if not files:
-        return None
-    tables = []
-    for p in files:
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables, promote_options="default")

@@ -31,15 +31,13 @@ import time
 from dataclasses import dataclass, field
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
-import ray
 
 from nbcore.config import NoteBankConfig
 from nbcore.evals import longbench as lb
 from nbcore.evals import memoryagentbench as mab
-from pipeline.config import ConfigError, RaySpec
-from pipeline.evaluate import BackboneEntry
+from pipeline.config import ConfigError
+from pipeline.evaluate import BackboneEntry, BackboneSweepConfig
+from pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
 
 SUITES = ("longbench", "longbench_v2", "memoryagentbench")
 
@@ -80,12 +78,12 @@ class MemoryAgentBenchSpec:
 
 
 @dataclass
-class LongBenchJobConfig:
+class LongBenchJobConfig(BackboneSweepConfig):
     """jobs/evaluate.py (benchmark: longbench): LongBench v1/v2 and MemoryAgentBench."""
 
-    benchmark: str = "longbench"                    # picks this config in jobs/evaluate.py
+    benchmark: str = "longbench"
     output: str = "out/eval-longbench"
-    backbones: list[BackboneEntry] = field(default_factory=list)
+    report_title: str = "LongBench / LongBench v2 / MemoryAgentBench"
     longbench: LongBenchV1Spec = field(default_factory=LongBenchV1Spec)
     longbench_v2: LongBenchV2Spec = field(default_factory=LongBenchV2Spec)
     memoryagentbench: MemoryAgentBenchSpec = field(default_factory=MemoryAgentBenchSpec)
@@ -96,25 +94,13 @@ class LongBenchJobConfig:
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0
-    ray: RaySpec = field(default_factory=RaySpec)
-    report_title: str = "LongBench / LongBench v2 / MemoryAgentBench"
-    progress: bool = True
 
     def validate(self):
         """Structure only (no file access: --print-config works anywhere); sources are checked at run time."""
         from nbcore.evals.ruler_eval import method_config
-        if self.benchmark != "longbench":
-            raise ConfigError(f"benchmark must be 'longbench' for this job, got {self.benchmark!r}")
-        if not self.output:
-            raise ConfigError("output is required (--set output=PATH)")
-        if not self.backbones:
-            raise ConfigError("backbones: at least one entry is required")
+        self.check_benchmark("longbench")
+        self.check_backbones()
         for b in self.backbones:
-            if not b.name or "/" in b.name:
-                raise ConfigError(f"backbones: each entry needs a name without '/', got {b.name!r}")
-            if "/" in (getattr(b, "report_as", "") or ""):
-                raise ConfigError(f"backbones[{b.name}].report_as must not contain '/'")
-            b.model.validate(f"backbones[{b.name}].model")
             try:
                 b.notebank.validate()
             except ValueError as e:
@@ -409,13 +395,7 @@ def run_cell(cell: dict) -> dict:
     for r in rows:
         r.update(backbone=cell["backbone"], entry=cell["entry"], method=renames.get(r["method"], r["method"]),
                  cell_s=time.perf_counter() - t0)
-    if err is None:
-        fs, path = fsspec.core.url_to_fs(cell["path"])
-        fs.makedirs(os.path.dirname(path), exist_ok=True)
-        with fs.open(path + ".tmp", "wb") as f:
-            pq.write_table(pa.Table.from_pylist(rows), f)
-        fs.mv(path + ".tmp", path)
-    return {"path": cell["path"], "error": err, "n_tokens": rows[0]["n_tokens"] if rows else 0}
+    return cell_result(cell, rows, err)
 
 
 def _size(cell: dict) -> int:
@@ -429,36 +409,21 @@ def _size(cell: dict) -> int:
 # ---------------------------------------------------------------------------------------------
 def run_longbench(cfg: LongBenchJobConfig) -> dict:
     """Run (or resume) every cell on Ray (already initialised), then write the report. -> CLI summary."""
-    from tqdm import tqdm
     cfg.validate()
     t0 = time.perf_counter()
     cells, notes = plan_cells(cfg)
-    fs, root = fsspec.core.url_to_fs(cfg.output)
-    todo = sorted((c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])), key=lambda c: -_size(c))
-    remote = ray.remote(num_cpus=cfg.num_cpus_per_cell, num_gpus=cfg.num_gpus_per_cell, max_retries=2)(run_cell)
-    pending = [remote.remote(c) for c in todo]
-    failed, tokens = [], 0
-    bar = tqdm(total=len(pending), desc="cells", unit="cell", disable=not cfg.progress)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        res = ray.get(done[0])
-        tokens += res["n_tokens"]
-        if res["error"]:
-            failed.append(res)
-            bar.write(f"failed {res['path']}: {res['error']}")
-        bar.update(1)
-    bar.close()
-    rows = collect(cfg.output)
-    summary = {}
-    if rows is not None and rows.num_rows:
+    todo = sorted(unfinished(cfg.output, cells), key=lambda c: -_size(c))
+    results = run_all(run_cell, todo, cfg.num_cpus_per_cell, cfg.num_gpus_per_cell, progress=cfg.progress)
+    failed = [r for r in results if r["error"]]
+
+    def report(df):
         from nbcore.evals.report_longbench import write_report
-        with fs.open(root.rstrip("/") + "/results.parquet", "wb") as f:
-            pq.write_table(rows, f)
-        if fs.protocol in ("file", ("file", "local")) or "://" not in cfg.output:
-            summary = write_report(rows.to_pandas(), cfg.output, cfg.report_title, meta=_meta(cfg, cells, notes))
+        return write_report(df, cfg.output, cfg.report_title, meta=_meta(cfg, cells, notes))
+
+    summary = finish_sweep(cfg.output, report)
     return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - len(todo),
-            "cells_failed": len(failed), "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
-            "summary_keys": len(summary), "v2": notes}
+            "cells_failed": len(failed), "tokens": sum(r["n_tokens"] for r in results),
+            "wall_s": round(time.perf_counter() - t0, 2), "summary_keys": len(summary), "v2": notes}
 
 
 def _meta(cfg: LongBenchJobConfig, cells: list[dict], notes: dict) -> dict:
@@ -476,16 +441,3 @@ def _meta(cfg: LongBenchJobConfig, cells: list[dict], notes: dict) -> dict:
     if cfg.max_new_tokens_cap is not None:
         meta["generation"] = f"capped at {cfg.max_new_tokens_cap} new tokens (NOT the official budgets)"
     return meta
-
-
-def collect(output: str):
-    """All finished cells as one Arrow table (None if there are none)."""
-    fs, root = fsspec.core.url_to_fs(output)
-    files = sorted(fs.glob(root.rstrip("/") + "/cells/**/*.parquet"))
-    if not files:
-        return None
-    tables = []
-    for p in files:
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables, promote_options="default")

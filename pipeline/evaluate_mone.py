@@ -19,21 +19,21 @@ import time
 from dataclasses import dataclass, field
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from pipeline.config import ConfigError, RaySpec
+from pipeline.config import BenchmarkJobConfig, ConfigError
+from pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
 
 K = 1024
 TASKS = ("niah_single_1", "niah_multikey_1", "fwe")
 
 
 @dataclass
-class MoneEvalJobConfig:
+class MoneEvalJobConfig(BenchmarkJobConfig):
     """jobs/evaluate.py (benchmark: mone)"""
 
-    benchmark: str = "mone"                         # picks this config in jobs/evaluate.py
+    benchmark: str = "mone"
     output: str = "out/eval_mone"
+    report_title: str = "MoNe vs ICL vs RAG (RULER)"
     model: str = "models/tiny-qwen2"                # frozen base (HF dir with its tokenizer)
     adapters: str | None = None                     # meta-trained MoNe parameters; default <model>/mone
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
@@ -48,17 +48,11 @@ class MoneEvalJobConfig:
     max_new_tokens: int = 0                         # 0: reference answer length + 2 tokens
     measure_cost: bool = True                       # FLOPs + peak tensor memory of every example
     num_cpus_per_task: float = 1.0
-    ray: RaySpec = field(default_factory=RaySpec)
-    report_title: str = "MoNe vs ICL vs RAG (RULER)"
-    progress: bool = True
 
     def validate(self):
         from nbcore.mone.evaluation import ENCODERS, METHODS
         from nbcore.tasks import ruler
-        if self.benchmark != "mone":
-            raise ConfigError(f"benchmark must be 'mone' for this job, got {self.benchmark!r}")
-        if not self.output:
-            raise ConfigError("output is required")
+        self.check_benchmark("mone")
         for t in self.tasks:
             if t not in ruler.TASKS:
                 raise ConfigError(f"tasks: unknown RULER task {t!r}; e.g. {list(TASKS)}")
@@ -153,77 +147,35 @@ def run_cell(cell: dict) -> dict:
                                 rag_encoder=cell["rag_encoder"], max_new_tokens=cell["max_new_tokens"],
                                 measure_cost=cell["measure_cost"])
     except Exception as e:  # noqa: BLE001 - a failed example is reported, the sweep goes on
-        return {"path": cell["path"], "error": f"{type(e).__name__}: {e}", "n_tokens": 0}
+        return cell_result(cell, [], f"{type(e).__name__}: {e}")
     for r in rows:
         r["cell_s"] = time.perf_counter() - t0
-    _write_parquet_atomic(cell["path"], pa.Table.from_pylist(rows))
-    return {"path": cell["path"], "error": None, "n_tokens": rows[0]["context_tokens"] if rows else 0}
-
-
-def _write_parquet_atomic(url: str, table: pa.Table) -> None:
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with fs.open(tmp, "wb") as f:
-        pq.write_table(table, f)
-    fs.mv(tmp, path)
-
-
-def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
-    """Finished cells as one table (only those of ``cells`` when given; None if there are none)."""
-    fs, root = fsspec.core.url_to_fs(output)
-    if cells is None:
-        files = sorted(fs.glob(root.rstrip("/") + "/cells/**/*.parquet"))
-    else:
-        files = [p for p in (fsspec.core.url_to_fs(c["path"])[1] for c in cells) if fs.exists(p)]
-    if not files:
-        return None
-    tables = []
-    for p in sorted(files):
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables, promote_options="default")
+    return cell_result(cell, rows, None, tokens_key="context_tokens")
 
 
 def run_mone_eval(cfg: MoneEvalJobConfig) -> dict:
     """Run (or resume) the evaluation, then write results.parquet and the report (Ray initialised by
     the caller). -> a JSON-able summary for the CLI."""
-    import ray
-    from tqdm import tqdm
     cfg.validate()
     t0 = time.perf_counter()
     cells = plan_cells(cfg)
-    fs, root = fsspec.core.url_to_fs(cfg.output)
-    todo = [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
-    remote = ray.remote(num_cpus=cfg.num_cpus_per_task, max_retries=2)(run_cell)
-    pending = [remote.remote(c) for c in todo]
-    failed, tokens = [], 0
-    bar = tqdm(total=len(pending), desc="examples", unit="ex", disable=not cfg.progress)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        res = ray.get(done[0])
-        tokens += res["n_tokens"]
-        if res["error"]:
-            failed.append(res)
-            bar.write(f"failed {res['path']}: {res['error']}")
-        bar.update(1)
-    bar.close()
-    rows = collect(cfg.output, cells)
-    summary: dict = {}
-    if rows is not None and rows.num_rows:
-        with fs.open(root.rstrip("/") + "/results.parquet", "wb") as f:
-            pq.write_table(rows, f)
-        if "://" not in cfg.output or cfg.output.startswith("file://"):
-            from nbcore.evals.report_mone import write_report
-            meta = {"model": cfg.model, "adapters": cfg.adapters or f"{cfg.model}/mone", "split": cfg.split,
-                    "methods": ", ".join(cfg.methods),
-                    "rag": f"{cfg.rag_encoder}, {cfg.rag_chunk}-token chunks, K in {list(cfg.rag_top_k)} "
-                           f"(best K per task and length)",
-                    "answer budget": (f"{cfg.max_new_tokens} tokens" if cfg.max_new_tokens
-                                      else "reference answer length + 2 tokens")}
-            summary = write_report(rows.to_pandas(), root, cfg.report_title, meta=meta)
+    todo = unfinished(cfg.output, cells)
+    results = run_all(run_cell, todo, cfg.num_cpus_per_task, progress=cfg.progress, desc="examples", unit="ex")
+    failed = [r for r in results if r["error"]]
+
+    def report(df):
+        from nbcore.evals.report_mone import write_report
+        meta = {"model": cfg.model, "adapters": cfg.adapters or f"{cfg.model}/mone", "split": cfg.split,
+                "methods": ", ".join(cfg.methods),
+                "rag": f"{cfg.rag_encoder}, {cfg.rag_chunk}-token chunks, K in {list(cfg.rag_top_k)} "
+                       f"(best K per task and length)",
+                "answer budget": (f"{cfg.max_new_tokens} tokens" if cfg.max_new_tokens
+                                  else "reference answer length + 2 tokens")}
+        return write_report(df, fsspec.core.url_to_fs(cfg.output)[1], cfg.report_title, meta=meta)
+
+    summary = finish_sweep(cfg.output, report, cells)
     return {"examples": len(cells), "examples_run": len(todo), "examples_skipped": len(cells) - len(todo),
-            "examples_failed": len(failed), "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
-            "summary_keys": len(summary), "output": cfg.output,
+            "examples_failed": len(failed), "tokens": sum(r["n_tokens"] for r in results),
+            "wall_s": round(time.perf_counter() - t0, 2), "summary_keys": len(summary), "output": cfg.output,
             "failures": [f"{f['path']}: {f['error']}" for f in failed[:5]]}
 

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
@@ -209,70 +208,42 @@ def start_mone_workers(model, actors, adapters: str | None) -> tuple[list, list[
 # ------------------------------------------------------------------------------------------------
 # ingest driver
 
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def run_ingest_mone(cfg, on_commit: Callable | None = None, workers: tuple | None = None) -> dict:
     """Ingest (or resume, or append to) a corpus into per-document MoNe states. -> summary dict."""
-    from pipeline.corpus import iter_corpus
-    from pipeline.ingest import _progress
-    from pipeline.pool import dispatch, stop_workers
-    from pipeline.store import ArchiveStore, doc_key
+    from pipeline.ingest import Tally, new_rows, open_output, sha256_text
+    from pipeline.pool import dispatch, worker_failure, worker_pool
     cfg.validate()
     t_start = time.perf_counter()
-    store = ArchiveStore(cfg.output)
-    store.clean_tmp()
-    own = workers is None
-    handles, infos = workers if workers is not None else start_mone_workers(cfg.model, cfg.actors, cfg.mone_adapters)
-    try:
+    store = open_output(cfg.output)
+    with worker_pool(workers, start_mone_workers, cfg.model, cfg.actors, cfg.mone_adapters) as (handles, infos):
         fp = run_fingerprint(infos[0])
         store.check_or_write_run(fp)
         done = {k: r for k, r in store.load_records(MoneDocRecord).items() if r.status == "ok"}
-        stats = dict(docs_ok=0, docs_appended=0, docs_skipped=0, docs_failed=0, tokens=0, bytes=0)
-        failures: list[dict] = []
-        bar = _progress(cfg.progress)
-        seen: dict[str, dict] = {}
-
-        def note_failure(doc_id, error, source):
-            stats["docs_failed"] += 1
-            if len(failures) < 20:
-                failures.append({"doc_id": doc_id, "error": error, "source": source})
-            bar.update(1)
+        tally = Tally(dict(docs_ok=0, docs_appended=0, docs_skipped=0, docs_failed=0, tokens=0, bytes=0),
+                      cfg.progress)
 
         def fail(rec: MoneDocRecord, keep_committed: bool = False):
             # an appended part that fails never replaces the document's committed record
             if not keep_committed:
                 store.record_failure(rec)
-            note_failure(rec.doc_id, rec.error, rec.source)
+            tally.failed(rec.doc_id, rec.error, rec.source)
             if on_commit:
                 on_commit(rec)
 
+        def reject(error, base, committed):
+            fail(MoneDocRecord(error=error, **base), keep_committed=committed)
+
         def tasks():
-            for row in iter_corpus(cfg.corpus, cfg.limit):
-                base = dict(doc_id=row.doc_id, key=None, status="failed", source=row.source, metadata=row.metadata,
-                            fingerprint=fp)
-                key, kerr = doc_key(row.doc_id) if row.doc_id is not None else (None, None)
-                if row.error or kerr:
-                    if key and row.doc_id not in seen and key not in done:
-                        seen[row.doc_id] = row.source
-                        base["key"] = key
-                    fail(MoneDocRecord(error=row.error or kerr, **base), keep_committed=key in done)
-                    continue
-                if row.doc_id in seen:
-                    fail(MoneDocRecord(error=f"duplicate doc_id (first seen at {seen[row.doc_id]})", **base))
-                    continue
-                seen[row.doc_id] = row.source
-                sha = _sha(row.text)
+            for row, key, base in new_rows(cfg, fp, done, reject):
+                sha = sha256_text(row.text)
                 prev = done.get(key)
                 previous = None
                 if prev is not None:
                     if sha in prev.text_shas:
-                        stats["docs_skipped"] += 1
-                        bar.update(1)
+                        tally.skipped()
                         continue
                     if not cfg.append:
-                        note_failure(row.doc_id, "already archived with different text; use a new output folder, "
+                        tally.failed(row.doc_id, "already archived with different text; use a new output folder, "
                                                  "or append: true to continue its MoNe state", row.source)
                         continue
                     previous = store.read_verified(prev.state)
@@ -286,7 +257,7 @@ def run_ingest_mone(cfg, on_commit: Callable | None = None, workers: tuple | Non
         def on_done(t, res, err):
             base, prev = t["base"], t["prev"]
             if err is not None or not res["ok"]:
-                why = f"worker failed: {type(err).__name__}: {str(err)[:500]}" if err is not None else res["error"]
+                why = worker_failure(err) if err is not None else res["error"]
                 return fail(MoneDocRecord(error=why, **base), keep_committed=prev is not None)
             parts = (list(prev.parts) if prev else []) + [MonePart(text_sha256=t["sha"], n_tokens=res["n_tokens"])]
             rec = MoneDocRecord(**{**base, "status": "ok"}, n_tokens=res["n_tokens_total"],
@@ -294,21 +265,16 @@ def run_ingest_mone(cfg, on_commit: Callable | None = None, workers: tuple | Non
                                 timings=res["timings"])
             rec = store.commit_mone(base["key"], len(parts), res["state"], rec,
                                     previous=prev.state if prev else None)
-            stats["docs_appended" if prev else "docs_ok"] += 1
-            stats["tokens"] += res["n_tokens"]
-            stats["bytes"] += rec.bytes
-            bar.update(1)
+            tally.stats["docs_appended" if prev else "docs_ok"] += 1
+            tally.stats["tokens"] += res["n_tokens"]
+            tally.stats["bytes"] += rec.bytes
+            tally.bar.update(1)
             if on_commit:
                 on_commit(rec)
 
         dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
-        bar.close()
-    finally:
-        if own:
-            stop_workers(handles)
-    wall = time.perf_counter() - t_start
-    return {**stats, "wall_s": round(wall, 3), "tokens_per_s": round(stats["tokens"] / wall, 1) if wall > 0 else 0.0,
-            "output": cfg.output, "memory": "mone", "failures": failures}
+        tally.bar.close()
+    return tally.summary(t_start, cfg.output, memory="mone")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,81 +283,20 @@ def run_ingest_mone(cfg, on_commit: Callable | None = None, workers: tuple | Non
 def run_query_mone(cfg, workers: tuple | None = None) -> dict:
     """Answer questions from per-document MoNe states. Output: answers Parquet (schemas.answers)."""
     from pipeline.corpus import read_questions
-    from pipeline.pool import dispatch, stop_workers
-    from pipeline.query import _bar, _write_atomic, score_fn
-    from pipeline.store import ArchiveStore, FingerprintMismatch, doc_key, is_process_local
-    from schemas._base import table_to_parquet_bytes
-    from schemas.answers import answers_table
+    from pipeline.pool import worker_pool
+    from pipeline.query import answer_documents, check_fingerprints, open_archive, write_answers
+    from pipeline.store import FingerprintMismatch
     cfg.validate()
     t_start = time.perf_counter()
-    store = ArchiveStore(cfg.archive)
-    run = store.read_run()
-    if run is None:
-        raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no {store.url_of(store.REL_RUN)})")
+    store, run = open_archive(cfg.archive)
     if run["fingerprint"].get("memory", "notebank") != "mone":
         raise FingerprintMismatch(f"{cfg.archive} holds NoteBank archives, not MoNe states: set memory: notebank")
     questions, rejected = read_questions(cfg.questions)
-    groups: "OrderedDict[str, list]" = OrderedDict()
-    for q in questions:
-        groups.setdefault(q["doc_id"], []).append(q)
     gen = {"max_new_tokens": cfg.read.max_new_tokens, "stop": list(cfg.read.stop or ()),
            "stop_at_eos": cfg.read.stop_at_eos}
-    inline = is_process_local(cfg.archive)
-    own = workers is None
-    handles, infos = workers if workers is not None else start_mone_workers(cfg.model, cfg.actors, cfg.mone_adapters)
-    rows: list[dict] = []
-    try:
-        for what in ("model", "tokenizer"):
-            mine, theirs = infos[0].get("fingerprint" if what == "model" else what), run["fingerprint"].get(what)
-            if mine != theirs:
-                raise FingerprintMismatch(f"{store.url_of(store.REL_RUN)}: states were written with {what} {theirs!r}, "
-                                          f"but the configured {what} is {mine!r}")
-        bar = _bar(cfg.progress, len(questions))
-
-        def tasks():
-            for doc_id, qs in groups.items():
-                key, kerr = doc_key(doc_id)
-                rec = store.load_record(key, MoneDocRecord) if key else None
-                if rec is None or rec.status != "ok":
-                    why = kerr or (f"document {doc_id!r} is not ingested in {cfg.archive}" if rec is None
-                                   else f"document {doc_id!r} failed at ingest: {rec.error}")
-                    rows.extend(failed_row(q, gen, why) for q in qs)
-                    bar.update(len(qs))
-                    continue
-                doc = {"payload": store.mone_payload(key)} if inline else {"archive": cfg.archive, "key": key}
-                yield {"doc": doc, "questions": [{k: q[k] for k in ("question_id", "doc_id", "question", "answers")}
-                                                 for q in qs]}
-
-        def submit(actor, t):
-            return actor.answer_doc.remote(t["doc"], t["questions"], gen)
-
-        def on_done(t, res, err):
-            if err is not None:
-                res = [failed_row(q, gen, f"worker failed: {type(err).__name__}: {str(err)[:500]}")
-                       for q in t["questions"]]
-            rows.extend(res)
-            bar.update(len(t["questions"]))
-
-        dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
-        bar.close()
-    finally:
-        if own:
-            stop_workers(handles)
-    for r in rejected:
-        rows.append({"question_id": str(r.get("question_id") or f"<row {r['source']['row']}>"),
-                     "doc_id": str(r.get("doc_id") or ""), "method": "-", "read_config": "{}", "status": "failed",
-                     "error": f"bad question row ({r['source']['shard']}:{r['source']['row']}): {r['error']}"})
-    fn, metric = score_fn()
-    for r in rows:
-        if r.get("status") == "ok" and r.get("answers"):
-            r["score"] = float(fn(r["answer"], r["answers"]))
-    rows.sort(key=lambda r: (r["doc_id"], r["question_id"], r["method"]))
-    _write_atomic(cfg.output, table_to_parquet_bytes(answers_table(rows)))
-    ok = {}
-    for r in rows:
-        ok[r["question_id"]] = ok.get(r["question_id"], True) and r["status"] == "ok"
-    scored = [r["score"] for r in rows if r.get("score") is not None]
-    return {"questions_ok": sum(ok.values()), "questions_failed": sum(not v for v in ok.values()), "rows": len(rows),
-            "wall_s": round(time.perf_counter() - t_start, 3), "output": cfg.output,
-            "metric": metric if scored else None, "memory": "mone",
-            "mean_score": {"mone": round(sum(scored) / len(scored), 4)} if scored else {}}
+    with worker_pool(workers, start_mone_workers, cfg.model, cfg.actors, cfg.mone_adapters) as (handles, infos):
+        check_fingerprints(store, run, infos[0], "states")
+        rows = answer_documents(cfg, store, handles, questions, gen,
+                                fail_rows=lambda qs, why: [failed_row(q, gen, why) for q in qs],
+                                record_cls=MoneDocRecord, payload=store.mone_payload, stored="ingested")
+    return write_answers(cfg.output, rows, rejected, t_start, memory="mone")

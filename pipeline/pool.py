@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import ray
@@ -61,6 +62,23 @@ def stop_workers(handles: list) -> None:
             ray.kill(h, no_restart=True)
         except Exception:  # already gone
             pass
+
+
+@contextmanager
+def worker_pool(workers: tuple | None, start: Callable[..., tuple], *args):
+    """-> (handles, infos): the caller's pool `workers` (reused, e.g. by benchmarks), else
+    start(*args)'s, which is stopped on exit."""
+    handles, infos = workers if workers is not None else start(*args)
+    try:
+        yield handles, infos
+    finally:
+        if workers is None:
+            stop_workers(handles)
+
+
+def worker_failure(err: Exception) -> str:
+    """The error recorded for items whose actor call failed (message cut to 500 characters)."""
+    return f"worker failed: {type(err).__name__}: {str(err)[:500]}"
 
 
 def dispatch(handles: list, items: Iterable, submit: Callable, on_done: Callable, max_in_flight: int = 2,

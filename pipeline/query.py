@@ -6,15 +6,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from nbcore.config import ReadConfig
 from pipeline.config import QueryJobConfig
 from pipeline.corpus import read_questions
-from pipeline.pool import dispatch, start_workers, stop_workers
+from pipeline.pool import dispatch, start_workers, worker_failure, worker_pool
 from pipeline.store import ArchiveStore, FingerprintMismatch, doc_key, is_process_local
 from pipeline.worker import _rc_json
 from schemas._base import table_to_parquet_bytes
 from schemas.answers import answers_table
+from schemas.manifest import DocRecord
 
 
 def score_fn():
@@ -50,61 +52,87 @@ def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
         from pipeline.mone_pipeline import run_query_mone
         return run_query_mone(cfg, workers=workers)
     t_start = time.perf_counter()
-    store = ArchiveStore(cfg.archive)
-    run = store.read_run()
-    if run is None:
-        raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no {store.url_of(store.REL_RUN)})")
+    store, run = open_archive(cfg.archive)
     if run["fingerprint"].get("memory", "notebank") != "notebank":
         raise FingerprintMismatch(f"{cfg.archive} holds {run['fingerprint']['memory']} memory states, not NoteBank "
                                   f"archives: set memory: {run['fingerprint']['memory']}")
     questions, rejected = read_questions(cfg.questions)
+    rc_dicts = [_rc_dict(rc) for rc in cfg.read_configs()]
+    with worker_pool(workers, start_workers, cfg.model, cfg.actors) as (handles, infos):
+        check_fingerprints(store, run, infos[0], "archives")
+        rows = answer_documents(cfg, store, handles, questions, rc_dicts,
+                                fail_rows=lambda qs, why: [_fail(q, rc, why) for q in qs for rc in rc_dicts],
+                                record_cls=DocRecord, payload=store.document_payload, stored="archived")
+    return write_answers(cfg.output, rows, rejected, t_start)
+
+
+# ------------------------------------------------------------------------------------------------
+# shared with the `memory: mone` driver (pipeline.mone_pipeline.run_query_mone)
+
+def open_archive(archive: str) -> tuple[ArchiveStore, dict]:
+    """-> (store, run record) of an ingest output; FileNotFoundError when `archive` is none."""
+    store = ArchiveStore(archive)
+    run = store.read_run()
+    if run is None:
+        raise FileNotFoundError(f"{archive}: not an ingest output (no {store.url_of(store.REL_RUN)})")
+    return store, run
+
+
+def check_fingerprints(store: ArchiveStore, run: dict, info: dict, written: str) -> None:
+    """The actors' model and tokenizer must be those the `written` archives/states were made with."""
+    for what, mine in (("model", info["fingerprint"]), ("tokenizer", info.get("tokenizer"))):
+        theirs = run["fingerprint"].get(what)
+        if mine != theirs:
+            raise FingerprintMismatch(
+                f"{store.url_of(store.REL_RUN)}: {written} were written with {what} {theirs!r}, but the "
+                f"configured {what} is {mine!r}")
+
+
+def answer_documents(cfg, store: ArchiveStore, handles: list, questions: list[dict], gen, *,
+                     fail_rows: Callable[[list[dict], str], list[dict]], record_cls, payload: Callable[[str], dict],
+                     stored: str) -> list[dict]:
+    """Questions grouped by document, one actor call answer_doc(doc, questions, gen) per document.
+    Questions of a document that is not `stored` (or failed at ingest), or whose call fails, get
+    fail_rows(questions, why). The document travels inline (payload(key)) when the archive is local
+    to this process, else by reference. -> answer rows, unordered."""
     groups: "OrderedDict[str, list]" = OrderedDict()
     for q in questions:
         groups.setdefault(q["doc_id"], []).append(q)
-    rcs = cfg.read_configs()
-    rc_dicts = [_rc_dict(rc) for rc in rcs]
     inline = is_process_local(cfg.archive)
-    own = workers is None
-    handles, infos = workers if workers is not None else start_workers(cfg.model, cfg.actors)
     rows: list[dict] = []
-    try:
-        for what, mine in (("model", infos[0]["fingerprint"]), ("tokenizer", infos[0].get("tokenizer"))):
-            theirs = run["fingerprint"].get(what)
-            if mine != theirs:
-                raise FingerprintMismatch(
-                    f"{store.url_of(store.REL_RUN)}: archives were written with {what} {theirs!r}, but the "
-                    f"configured {what} is {mine!r}")
-        bar = _bar(cfg.progress, len(questions))
+    bar = _bar(cfg.progress, len(questions))
 
-        def tasks():
-            for doc_id, qs in groups.items():
-                key, kerr = doc_key(doc_id)
-                rec = store.load_record(key) if key else None
-                if rec is None or rec.status != "ok":
-                    why = kerr or (f"document {doc_id!r} is not archived in {cfg.archive}" if rec is None
-                                   else f"document {doc_id!r} failed at ingest: {rec.error}")
-                    rows.extend(_fail(q, rc, why) for q in qs for rc in rc_dicts)
-                    bar.update(len(qs))
-                    continue
-                doc = {"payload": store.document_payload(key)} if inline else {"archive": cfg.archive, "key": key}
-                yield {"doc": doc, "questions": [{k: q[k] for k in ("question_id", "doc_id", "question", "answers")}
-                                                 for q in qs]}
+    def tasks():
+        for doc_id, qs in groups.items():
+            key, kerr = doc_key(doc_id)
+            rec = store.load_record(key, record_cls) if key else None
+            if rec is None or rec.status != "ok":
+                why = kerr or (f"document {doc_id!r} is not {stored} in {cfg.archive}" if rec is None
+                               else f"document {doc_id!r} failed at ingest: {rec.error}")
+                rows.extend(fail_rows(qs, why))
+                bar.update(len(qs))
+                continue
+            doc = {"payload": payload(key)} if inline else {"archive": cfg.archive, "key": key}
+            yield {"doc": doc, "questions": [{k: q[k] for k in ("question_id", "doc_id", "question", "answers")}
+                                             for q in qs]}
 
-        def submit(actor, t):
-            return actor.answer_doc.remote(t["doc"], t["questions"], rc_dicts)
+    def submit(actor, t):
+        return actor.answer_doc.remote(t["doc"], t["questions"], gen)
 
-        def on_done(t, res, err):
-            if err is not None:
-                res = [_fail(q, rc, f"worker failed: {type(err).__name__}: {str(err)[:500]}")
-                       for q in t["questions"] for rc in rc_dicts]
-            rows.extend(res)
-            bar.update(len(t["questions"]))
+    def on_done(t, res, err):
+        if err is not None:
+            res = fail_rows(t["questions"], worker_failure(err))
+        rows.extend(res)
+        bar.update(len(t["questions"]))
 
-        dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
-        bar.close()
-    finally:
-        if own:
-            stop_workers(handles)
+    dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
+    bar.close()
+    return rows
+
+
+def write_answers(output: str, rows: list[dict], rejected: list[dict], t_start: float, **extra) -> dict:
+    """Add a failed row per rejected question row, score, sort and commit the answers Parquet.
+    -> the job summary (`extra` goes before mean_score)."""
     for r in rejected:
         rows.append({"question_id": str(r.get("question_id") or f"<row {r['source']['row']}>"),
                      "doc_id": str(r.get("doc_id") or ""), "method": "-", "read_config": "{}",
@@ -116,20 +144,17 @@ def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
         if r.get("status") == "ok" and r.get("answers"):
             r["score"] = float(fn(r["answer"], r["answers"]))
     rows.sort(key=lambda r: (r["doc_id"], r["question_id"], r["method"]))
-    table = answers_table(rows)
-    data = table_to_parquet_bytes(table)
-    _write_atomic(cfg.output, data)
+    _write_atomic(output, table_to_parquet_bytes(answers_table(rows)))
     by_q: dict[str, bool] = {}
     for r in rows:
         by_q[r["question_id"]] = by_q.get(r["question_id"], True) and r["status"] == "ok"
-    scored = [r["score"] for r in rows if r.get("score") is not None]
-    per_method = {}
+    per_method: dict[str, list] = {}
     for r in rows:
         if r.get("score") is not None:
             per_method.setdefault(r["method"], []).append(r["score"])
     return {"questions_ok": sum(by_q.values()), "questions_failed": sum(not v for v in by_q.values()),
-            "rows": len(rows), "wall_s": round(time.perf_counter() - t_start, 3), "output": cfg.output,
-            "metric": metric if scored else None,
+            "rows": len(rows), "wall_s": round(time.perf_counter() - t_start, 3), "output": output,
+            "metric": metric if per_method else None, **extra,
             "mean_score": {m: round(sum(v) / len(v), 4) for m, v in sorted(per_method.items())}}
 
 

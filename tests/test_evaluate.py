@@ -8,7 +8,7 @@ import pytest
 from nbcore.evals.report import length_label, summarize, write_report
 from nbcore.evals.ruler_eval import coverage, method_config
 from pipeline.config import ConfigError, load_config
-from pipeline.evaluate import EvalJobConfig, plan_cells, run_sweep
+from pipeline.evaluate import EvalJobConfig, drop_repeated_measurements, plan_cells, run_sweep
 
 from conftest import TINY_MODEL
 
@@ -199,3 +199,10 @@ def test_entry_methods_override_methods_by_length():
     planned = sorted((c["backbone"], c["length"], tuple(c["methods"])) for c in plan_cells(cfg))
     assert planned == [("a", 4096, ("plain", "nb-dense-top2")), ("a", 1 << 20, ("plain",)),
                        ("d", 1 << 20, ("nb-dense-top2",))]
+
+
+def test_an_example_measured_twice_counts_once():
+    rows = [dict(_row("plain", "a", 4096, s, 1.0), budget="default") for s in (100.0, 100.0, 0.0)]
+    rows[2]["index"] = 1
+    kept = drop_repeated_measurements(pd.DataFrame(rows))
+    assert len(kept) == 2 and kept.score.mean() == 50.0      # not 66.7: example 0 weighs once

@@ -13,7 +13,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-out/gpu-train}
 mkdir -p "$OUT"
 for fam in gdn mamba2; do
-  timeout 330 python3 jobs/train_backbone.py --family $fam --out "$OUT/tiny-$fam" --run-dir /tmp/run-$fam \
+  extra=""; [ $fam = gdn ] && extra="--bigram-heads 3"   # half the heads bigram-induction (see backbone._init_gdn)
+  timeout 330 python3 jobs/train_backbone.py --family $fam --out "$OUT/tiny-$fam" --run-dir /tmp/run-$fam $extra \
     --device cuda --minutes 4 --hidden 192 --layers 6 --heads 6 --mlp 512 --tokens-per-step 65536 \
     --lr 2e-3 --threads 8 2>&1 | grep -v "Writing model" | tail -25 || true
   timeout 120 python3 jobs/train_backbone.py --family $fam --out "$OUT/tiny-$fam" --eval-only --length 2048 \

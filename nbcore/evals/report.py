@@ -27,6 +27,39 @@ def _df(rows):
     return rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: reports are drawn to files on machines without a display."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    """Write a report plot (PNG, 110 dpi) and close it: a sweep's report draws many figures."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def start_report(df, out_dir: str, summarize, title: str, meta: dict | None, **json_kw) -> tuple[dict, list[str]]:
+    """Create out_dir and write summarize(df) to summary.json (json_kw: json.dump options, default indent=2).
+    -> (summary, the first report.md lines: title and one bullet per `meta` item)."""
+    os.makedirs(out_dir, exist_ok=True)
+    summary = summarize(df)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, **(json_kw or {"indent": 2}))
+        f.write("\n")
+    return summary, [f"# {title}", ""] + [f"- **{k}**: {v}" for k, v in (meta or {}).items()]
+
+
+def write_markdown(out_dir: str, lines: list[str]) -> None:
+    """report.md: the lines, newline-terminated."""
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def summarize(rows) -> dict:
     """-> {"<backbone>/<method>/<len>": mean over tasks of the per-task mean score}."""
     df = _df(rows)
@@ -60,9 +93,7 @@ KEY_METHODS = ("plain", "jrt", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", 
 
 
 def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     if df["method"].nunique() > max_lines:            # readable: the key methods only
         df = df[df["method"].isin(KEY_METHODS)]
     bbs = sorted(df["backbone"].unique())
@@ -84,15 +115,11 @@ def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("Accuracy vs context length (dashed: no NoteBank)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_coverage(df, path: str, method: str = "nb-tf-top2") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     d = df[df.method == method]
     if d.empty:
         return
@@ -109,15 +136,11 @@ def plot_coverage(df, path: str, method: str = "nb-tf-top2") -> None:
         ax.set_title(bb)
         ax.legend()
     fig.suptitle("Evidence preserved vs accessed (paper Fig. 5a)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_routers(df, path: str, r: int = 2) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     d = df[df.method.str.match(rf"^nb-[a-z_0-9]+-top{r}$")]
     if d.empty:
         return
@@ -135,15 +158,11 @@ def plot_routers(df, path: str, r: int = 2) -> None:
         ax.set_title(bb)
         ax.legend(fontsize=7)
     fig.suptitle(f"Routers side by side, top-{r} (paper Table 3)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_cost(df, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     d = df[df.method.isin(["plain", "nb-tf-top2"])].copy()
     if d.empty:
         return
@@ -159,14 +178,12 @@ def plot_cost(df, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("Cost vs length (ingest + probe + route + replay/generate)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 NATIVE_VARIANTS = ("tf", "margin", "sum", "m4", "m4margin", "m4sum", "qnovel", "qnovelmargin", "m4qnovelmargin",
-                   "embmax")
-ADDRESS_FREE = ("embmax",)        # native routers that read stored token ids, not addresses
+                   "embmax", "embmax_centered")
+ADDRESS_FREE = ("embmax", "embmax_centered")        # native routers that read stored token ids, not addresses
 EXTERNAL_ROUTERS = ("bm25", "dense", "meanemb", "random", "oracle")
 
 
@@ -218,9 +235,7 @@ def coverage_vs_bm25(df, lengths=None, r: int = 2):
 
 def plot_router_coverage(df, path: str, r: int = 2) -> None:
     """Retrieved gold coverage vs length per router (native variants solid, external dashed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     t = routers_table(df, r)
     if t.empty:
         return
@@ -243,9 +258,7 @@ def plot_router_coverage(df, path: str, r: int = 2) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("Native addressing variants vs external routers: is the archived evidence retrieved?")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def routers_section(df, r: int = 2, bar_lengths=(1 << 16, 1 << 20)) -> list[str]:
@@ -329,19 +342,12 @@ def lora_section(df) -> list[str]:
 def write_report(rows, out_dir: str, title: str = "RULER evaluation", meta: dict | None = None) -> dict:
     """Write summary.json, report.md and plots under out_dir. -> summary dict."""
     df = _df(rows)
-    os.makedirs(out_dir, exist_ok=True)
-    summary = summarize(df)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    summary, lines = start_report(df, out_dir, summarize, title, meta)
     plot_accuracy_vs_length(df, os.path.join(out_dir, "accuracy_vs_length.png"))
     plot_coverage(df, os.path.join(out_dir, "coverage.png"))
     plot_routers(df, os.path.join(out_dir, "routers.png"))
     plot_cost(df, os.path.join(out_dir, "cost_vs_length.png"))
     plot_router_coverage(df, os.path.join(out_dir, "router_coverage.png"))
-    lines = [f"# {title}", ""]
-    for k, v in (meta or {}).items():
-        lines.append(f"- **{k}**: {v}")
     n_ex = df.groupby(["backbone", "task", "length"])["index"].nunique()
     lines += [f"- examples per (backbone, task, length): {int(n_ex.min())}-{int(n_ex.max())}",
               f"- tasks: {', '.join(sorted(df.task.unique()))}", "",
@@ -361,6 +367,5 @@ def write_report(rows, out_dir: str, title: str = "RULER evaluation", meta: dict
                       _md_table(nb, "method", "length", "retrieved_cov", "{:.2f}"), ""]
     lines += routers_section(df)
     lines += lora_section(df)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(out_dir, lines)
     return summary

@@ -16,12 +16,12 @@ score (0-100), ingest_s, ingest_amortised_s, answer_s, n_tokens, replay_len.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from nbcore.evals.longbench import CATEGORIES, V1_DATASETS, aggregate_scores
+from nbcore.evals.report import pyplot, save_figure, start_report, write_markdown
 
 SUITE_LABELS = {"longbench": "LongBench v1", "longbench_v2": "LongBench v2", "memoryagentbench": "MemoryAgentBench"}
 
@@ -146,9 +146,7 @@ def samples_table(df, bb: str, per_dataset: int = 1, width: int = 70) -> str:
 def plot_scores(df, scores: dict, path: str) -> None:
     """One panel per suite present: grouped bars of method scores (v1 categories + overall, v2
     accuracy, MAB configurations + average); one figure row per backbone."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     suites = [s for s in SUITE_LABELS if s in set(df.benchmark)]
     bbs = sorted(df.backbone.unique())
     fig, axes = plt.subplots(len(bbs), len(suites), figsize=(5.8 * len(suites), 4.2 * len(bbs)), squeeze=False)
@@ -177,16 +175,12 @@ def plot_scores(df, scores: dict, path: str) -> None:
             ax.set_title(f"{bb}: {SUITE_LABELS[suite]}")
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_cost(df, path: str) -> None:
     """Seconds per question, stacked: ingest amortised over the context's questions + answer."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     g = df.groupby(["backbone", "benchmark", "method"], sort=False)[["ingest_amortised_s", "answer_s"]].mean()
     labels = [f"{bb}\n{SUITE_LABELS.get(s, s)}\n{m}" for bb, s, m in g.index]
     x = np.arange(len(g))
@@ -197,25 +191,16 @@ def plot_cost(df, path: str) -> None:
     ax.set_ylabel("seconds per question")
     ax.set_title("Cost per question (one ingest per context, every answer from a state copy)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(rows, out_dir: str, title: str = "LongBench evaluation", meta: dict | None = None) -> dict:
     """Write summary.json, report.md, scores.png and cost.png under out_dir. -> summary dict."""
     df = _df(rows)
-    os.makedirs(out_dir, exist_ok=True)
-    summary = summarize(df)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    summary, lines = start_report(df, out_dir, summarize, title, meta)
     scores = scores_by_method(df)
     plot_scores(df, scores, os.path.join(out_dir, "scores.png"))
     plot_cost(df, os.path.join(out_dir, "cost.png"))
-    lines = [f"# {title}", ""]
-    for k, v in (meta or {}).items():
-        lines.append(f"- **{k}**: {v}")
     lines += ["- scores on 0-100: LongBench v1 official metrics (qa_f1, Rouge-L F, classification) and "
               "unweighted category/overall macro-averages (paper Table 1); LongBench v2 accuracy of the parsed "
               "choice; MemoryAgentBench substring_exact_match accuracy per configuration and its macro-average",
@@ -237,6 +222,5 @@ def write_report(rows, out_dir: str, title: str = "LongBench evaluation", meta: 
                       mab_table(df, scores, bb), ""]
         lines += ["### Cost (mean wall seconds)", "", cost_table(df, bb), "",
                   "### Sample predictions", "", samples_table(df, bb), ""]
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(out_dir, lines)
     return summary

@@ -13,6 +13,8 @@ import os
 import numpy as np
 import pandas as pd
 
+from nbcore.evals.report import pyplot, save_figure, start_report, write_markdown
+
 COST_COLS = ("write_flops", "query_flops", "write_peak_bytes", "query_peak_bytes", "write_s", "query_s",
              "context_tokens", "prompt_tokens", "memory_tokens", "state_bytes")
 METHOD_ORDER = ("mone", "icl", "rag")
@@ -84,9 +86,7 @@ def _methods(df) -> list[str]:
 
 def plot_accuracy(df: pd.DataFrame, path: str) -> None:
     """Score vs context length, one panel per task, one line per method (rag: best K)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     b = best_rows(df)
     tasks = sorted(b.task_label.unique())
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
@@ -103,17 +103,13 @@ def plot_accuracy(df: pd.DataFrame, path: str) -> None:
         ax.set_ylabel("score (0-100)")
         ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_cost(df: pd.DataFrame, path: str) -> None:
     """FLOPs and peak tensor memory per example vs length, write (dashed) vs query (solid), mean over
     tasks (rag: best K rows). Zero/unmeasured values are left out of the log-scale plot."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     b = best_rows(df)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, (what, label) in zip(axes, (("flops", "FLOPs per example"), ("peak_bytes", "peak tensor memory (bytes)"))):
@@ -130,9 +126,7 @@ def plot_cost(df: pd.DataFrame, path: str) -> None:
         ax.set_title(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _fmt_num(x) -> str:
@@ -148,14 +142,13 @@ def _fmt_num(x) -> str:
 def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict | None = None) -> dict:
     """Write summary.json, cost.json, rag_by_k.json, report.md and the plots. -> summary dict."""
     df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
-    os.makedirs(out_dir, exist_ok=True)
-    summary = summarize(df)
+    summary, lines = start_report(df, out_dir, summarize, title, meta, indent=1, sort_keys=True)
     costs = cost_table(df)
     byk = rag_by_k(df)
     byk_json = {key(f"rag@{int(r.rag_k)}", r.task_label, r.length):
                 {"score": round(float(r.score), 2), "answer_recall": round(float(r.rag_recall), 2), "n": int(r.n)}
                 for r in byk.itertuples()}
-    for name, obj in (("summary.json", summary), ("cost.json", costs), ("rag_by_k.json", byk_json)):
+    for name, obj in (("cost.json", costs), ("rag_by_k.json", byk_json)):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -163,7 +156,6 @@ def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict 
     plot_cost(df, os.path.join(out_dir, "cost_vs_length.png"))
 
     n_ex = df.groupby(["task_label", "length"])["index"].nunique()
-    lines = [f"# {title}", ""] + [f"- **{k}**: {v}" for k, v in (meta or {}).items()]
     lines += [f"- examples per (task, length): {int(n_ex.min())}-{int(n_ex.max())}", "",
               "Scores: RULER string_match_all (0-100), greedy. rag: best K per (task, length).", "",
               "![accuracy vs length](accuracy_vs_length.png)", "", "![cost vs length](cost_vs_length.png)", ""]
@@ -195,6 +187,5 @@ def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict 
                      f"{_fmt_num(c.get('query_flops'))} | {_fmt_num(c.get('write_peak_bytes'))}B | "
                      f"{_fmt_num(c.get('query_peak_bytes'))}B | {c.get('memory_tokens')} | "
                      f"{_fmt_num(c.get('state_bytes'))}B |")
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(out_dir, lines)
     return summary

@@ -248,14 +248,34 @@ def embmax_scores_naive(q_ids, note_ids, emb, idf) -> torch.Tensor:
     return out
 
 
+def centered(emb: torch.Tensor) -> torch.Tensor:
+    """Input embeddings minus their mean over the vocabulary. emb: [V, D] -> [V, D] float32.
+    Why: a small LM's embeddings are anisotropic (tiny-gdn: mean |cos| of random token pairs
+    0.48), so max-cosine gives every unrelated token large partial credit; centring removes the
+    shared direction (cf. "all-but-the-top", Mu & Viswanath 2018) without any training."""
+    emb = emb.float()
+    return emb - emb.mean(0, keepdim=True)
+
+
 @register_router("embmax")
 def embmax_router(rq: RouteQuery) -> np.ndarray:
     """Native lexical routing (issue 9, beyond the paper): the backbone's own input embeddings,
     max-sim between each question token and a note's tokens, weighted by the token's inverse
     document frequency over the archive itself (template words that every note shares weigh ~0).
     Reads the note token ids NoteBank already stores for replay: no address bytes at all."""
+    return _embmax(rq, rq.backbone.model.get_input_embeddings().weight.detach().cpu())
+
+
+@register_router("embmax_centered")
+def embmax_centered_router(rq: RouteQuery) -> np.ndarray:
+    """embmax over mean-centred input embeddings (see `centered`): partial matches between
+    unrelated tokens stop adding up, so a note that shares the template but not the key (e.g. the
+    task's instruction preamble) no longer outranks the needles. Same storage as embmax (none)."""
+    return _embmax(rq, centered(rq.backbone.model.get_input_embeddings().weight.detach().cpu()))
+
+
+def _embmax(rq: RouteQuery, emb: torch.Tensor) -> np.ndarray:
     t0 = time.perf_counter()
-    emb = rq.backbone.model.get_input_embeddings().weight.detach().cpu()
     cache = rq.archive.__dict__.setdefault("_router_cache", {})
     if "idf" not in cache:
         cache["idf"] = archive_idf(rq.archive.token_ids, emb.shape[0])

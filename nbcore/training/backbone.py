@@ -51,6 +51,7 @@ class ModelConfig:
     conv: int = 4
     emb_std: float = 0.02  # tied embeddings std
     identity_init: bool = True  # q/k/v/out projections start as identity slices (see _init_gdn)
+    bigram_heads: int = 0  # GDN heads per layer whose induction init matches (t-1, t) bigrams (see _init_gdn)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def build_model(mc: ModelConfig, tok):
             max_position_embeddings=1 << 20, **ids)
         model = Qwen3_5ForCausalLM(cfg)
         for layer in model.model.layers:
-            _init_gdn(layer.linear_attn, mc.identity_init)
+            _init_gdn(layer.linear_attn, mc.identity_init, mc.bigram_heads)
     elif mc.family == "mamba2":
         from transformers import Mamba2Config, Mamba2ForCausalLM
         inter = 2 * mc.hidden
@@ -117,11 +118,14 @@ def build_model(mc: ModelConfig, tok):
     return model
 
 
-def _conv_taps(conv: torch.nn.Conv1d, sl: slice, lag: int) -> None:
-    """Depthwise causal conv channels ``sl`` read exactly token t-lag (weight index K-1 = t)."""
+def _conv_taps(conv: torch.nn.Conv1d, sl: slice, lag: int, also: int | None = None) -> None:
+    """Depthwise causal conv channels ``sl`` read exactly token t-lag (weight index K-1 = t),
+    plus token t-``also`` with the same weight when given (a bigram read)."""
     k = conv.weight.shape[-1]
     conv.weight.data[sl] = 0.0
     conv.weight.data[sl, 0, k - 1 - lag] = 1.0
+    if also is not None:
+        conv.weight.data[sl, 0, k - 1 - also] = 1.0
     if conv.bias is not None:
         conv.bias.data[sl] = 0.0
 
@@ -132,7 +136,7 @@ def _eye(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _init_gdn(m, identity: bool = True) -> None:
+def _init_gdn(m, identity: bool = True, bigram_heads: int = 0) -> None:
     """Long-memory decay + a working induction head from step 0.
 
     q = k = v = identity slices of the normed hidden state (token embeddings are nearly
@@ -142,6 +146,11 @@ def _init_gdn(m, identity: bool = True) -> None:
     LM head decodes. The output gate silu(z) starts random, so the read-out is not clean at step 0;
     what matters is that the O(1) structure survives Adam's first updates (a std-0.02 random q=k
     copy did not: the answer loss stayed at chance for 300+ steps in a first run).
+
+    ``bigram_heads``: the last that many heads read q = x_t + x_{t-1} and k = x_{t-1} + x_{t-2}, so
+    the key matches the last two tokens, not one. Why: the unigram head loses its place at a
+    repeated token inside a value ("4b88" -> after "4" either "b" or "8"); the shipped 1-layer-lag
+    model copied uuids at 6.7% and mixed multi-key values at such repeats (README, diagnosis).
     """
     kd, vd, hid = m.key_dim, m.value_dim, m.hidden_size
     w = m.in_proj_qkv.weight  # [2*kd + vd, hidden]: rows q | k | v
@@ -153,6 +162,13 @@ def _init_gdn(m, identity: bool = True) -> None:
     _conv_taps(m.conv1d, slice(0, kd), 0)  # q reads t
     _conv_taps(m.conv1d, slice(kd, 2 * kd), 1)  # k reads t-1
     _conv_taps(m.conv1d, slice(2 * kd, 2 * kd + vd), 0)  # v reads t
+    if bigram_heads:
+        hd = kd // m.num_k_heads
+        if not 0 < bigram_heads <= m.num_k_heads:
+            raise ValueError(f"bigram_heads={bigram_heads} must be in 1..{m.num_k_heads}")
+        lo = kd - bigram_heads * hd                            # the last heads' q/k channels
+        _conv_taps(m.conv1d, slice(lo, kd), 0, also=1)         # q reads t and t-1
+        _conv_taps(m.conv1d, slice(kd + lo, 2 * kd), 1, also=2)  # k reads t-1 and t-2
     h = m.num_v_heads
     # decay per token exp(g), g = -A*softplus(dt_bias): A in [0.02, 0.2], softplus(-4) ~ 0.018
     m.A_log.copy_(torch.linspace(math.log(0.02), math.log(0.2), h))

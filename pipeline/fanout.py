@@ -1,0 +1,92 @@
+"""Resumable cell sweeps on Ray, shared by the evaluation jobs (pipeline/evaluate*.py).
+
+A sweep is a list of cells (dicts with a `path`); each Ray task evaluates one cell and commits its
+rows as one Parquet file. Files are written to a temporary name and then renamed, so a file that
+exists is complete: a rerun skips those cells (`unfinished`) and `collect` never reads half a file.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def commit_parquet(table: pa.Table, url: str) -> None:
+    """Write `table` to url + ".tmp", then rename it to `url` (a killed writer leaves no file at `url`)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with fs.open(tmp, "wb") as f:
+        pq.write_table(table, f)
+    fs.mv(tmp, path)
+
+
+def cell_result(cell: dict, rows: list[dict], error: str | None, tokens_key: str = "n_tokens") -> dict:
+    """Commit a cell's rows unless it failed. -> the record `run_all` collects: {path, error, n_tokens}."""
+    if error is None:
+        commit_parquet(pa.Table.from_pylist(rows), cell["path"])
+    return {"path": cell["path"], "error": error, "n_tokens": rows[0][tokens_key] if rows else 0}
+
+
+def unfinished(output: str, cells: list[dict]) -> list[dict]:
+    """The cells whose Parquet file does not exist yet (in plan order)."""
+    fs, _ = fsspec.core.url_to_fs(output)
+    return [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
+
+
+def run_all(fn: Callable[[dict], dict], items: list[dict], num_cpus: float, num_gpus: float = 0.0,
+            max_retries: int = 2, progress: bool = True, desc: str = "cells", unit: str = "cell") -> list[dict]:
+    """fn(item) as one Ray task per item (Ray initialised by the caller), submitted in list order.
+    -> fn's records ({path, error, ...}) in completion order. Failures are reported on the bar and
+    returned, not raised: one bad cell never stops a sweep."""
+    import ray
+    from tqdm import tqdm
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=max_retries)(fn)
+    pending = [remote.remote(x) for x in items]
+    results = []
+    bar = tqdm(total=len(pending), desc=desc, unit=unit, disable=not progress)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)   # one at a time: the bar moves per cell
+        res = ray.get(done[0])
+        results.append(res)
+        if res["error"]:
+            bar.write(f"failed {res['path']}: {res['error']}")
+        bar.update(1)
+    bar.close()
+    return results
+
+
+def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
+    """Finished cells as one table (only those of `cells` when given; None if there are none)."""
+    fs, root = fsspec.core.url_to_fs(output)
+    if cells is None:
+        files = fs.glob(root.rstrip("/") + "/cells/**/*.parquet")
+    else:
+        files = [p for p in (fsspec.core.url_to_fs(c["path"])[1] for c in cells) if fs.exists(p)]
+    if not files:
+        return None
+    tables = []
+    for p in sorted(files):
+        with fs.open(p, "rb") as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: list[dict] | None = None) -> dict:
+    """Gather the finished cells (of `cells` when given) into <output>/results.parquet, committed like a
+    cell, then report(rows as a DataFrame) when `output` is on the local file system (the reports
+    write with plain file I/O). -> report's summary, or {} when there are no rows or no report."""
+    rows = collect(output, cells)
+    if rows is None or not rows.num_rows:
+        return {}
+    commit_parquet(rows, output.rstrip("/") + "/results.parquet")
+    fs, _ = fsspec.core.url_to_fs(output)
+    if fs.protocol in ("file", ("file", "local")) or "://" not in output:
+        return report(rows.to_pandas())
+    return {}
