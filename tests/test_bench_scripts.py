@@ -32,3 +32,13 @@ def test_parse_len():
 def test_route_bench_small():
     res = route_bench.bench_route([8, 64], J=4, Q=3, reps=1)
     assert set(res) == {"8", "64"} and res["64"]["warm_ms"] >= 0
+
+
+def test_router_dev_small():
+    """One 1K example per task through the shipped tiny GDN; coverages are fractions, ratios vs BM25."""
+    from pathlib import Path
+    from bench import router_dev
+    res = router_dev.run(str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn"), 1024, 1, seed=1)
+    assert set(res["retrieved"]) == {"embmax", "embmax_centered", "bm25"}
+    assert all(0.0 <= v <= 1.0 for d in res["retrieved"].values() for v in d.values())
+    assert set(res["ratio_to_bm25"]) == {"embmax", "embmax_centered"}
