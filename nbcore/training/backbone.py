@@ -436,7 +436,15 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                        for p in meta["phases"])
     phases += "\n  - phase changes in this run: " + json.dumps(meta.get("phase_log", []))
     tr = meta["train"]
-    text = f"""# tiny-{mc['family']}: a tiny {mc['family'].upper()} backbone trained from scratch on CPU
+    bigram = mc.get("bigram_heads", 0)
+    bigram_text = (f"\n  In {bigram} of the {mc['heads']} heads per layer the induction init matches bigrams:"
+                   f"\n  q reads tokens t and t-1, k reads t-1 and t-2, so a repeated token inside a value"
+                   f"\n  (uuids, 7-digit numbers) does not make the copy lose its place." if bigram else "")
+    flags = (f"--family {mc['family']} --out models/{out_dir.name} --minutes {tr['minutes']:g} --seed {tr['seed']}"
+             f" --layers {mc['layers']} --hidden {mc['hidden']} --heads {mc['heads']} --mlp {mc['mlp']}"
+             f" --tokens-per-step {tr['tokens_per_step']} --lr {tr['lr']:g} --threads {tr['threads']}"
+             + (f" --bigram-heads {bigram}" if bigram else ""))
+    text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone trained from scratch on CPU
 
 Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},
 conv {mc['conv']}, tied embeddings, {meta['params']:,} parameters, {size / 2**20:.1f} MiB on disk
@@ -452,7 +460,7 @@ RULER haystack; it is not a language model of any quality.
   the hidden state (key = query), the key's short conv reads token t-1 while query and value read
   token t, and the output projection starts as identity. A small random q=k copy (std 0.02) was
   wiped out by Adam's first steps and stayed at chance; the O(1) identity survives and the answer
-  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.
+  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.{bigram_text}
 - Data, generated on the fly (`nbcore/tasks/ruler.py`, train-split keys, fresh random values):
   the six NIAH tasks of the NoteBank paper over noise and prose haystacks, plus
   {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:
@@ -465,7 +473,7 @@ RULER haystack; it is not a language model of any quality.
 
 Reproduce (resumes from `runs/<name>/ckpt.pt` if present):
 
-    python jobs/train_backbone.py --family {mc['family']} --out models/tiny-{mc['family']} --minutes {tr['minutes']:g} --seed {tr['seed']}
+    python jobs/train_backbone.py {flags}
 
 Batches are a pure function of (seed, step, phase), but phases advance on a training metric or a
 wall-clock cap and the budget is wall-clock, so a run on a faster or less loaded machine sees more
