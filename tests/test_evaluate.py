@@ -206,3 +206,16 @@ def test_an_example_measured_twice_counts_once():
     rows[2]["index"] = 1
     kept = drop_repeated_measurements(pd.DataFrame(rows))
     assert len(kept) == 2 and kept.score.mean() == 50.0      # not 66.7: example 0 weighs once
+
+
+def test_best_variant_must_be_measured_everywhere():
+    """A variant measured at fewer task-lengths than BM25 does not win by missing its hard cells."""
+    from nbcore.evals.report import routers_section
+    rows = [_row("nb-bm25-top2", t, 4096, 0, 1.0) for t in ("a", "b")]
+    rows += [_row("nb-embmax-top2", "a", 4096, 0, 1.0), _row("nb-embmax-top2", "b", 4096, 0, 0.5)]
+    rows += [_row("nb-embmax_centered-top2", "a", 4096, 0, 1.0)]
+    text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
+    assert "**embmax** (worst 0.50, mean 0.75;" in text
+    rows += [_row("nb-embmax_centered-top2", "b", 4096, 0, 1.0)]
+    text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
+    assert "**embmax_centered** (worst 1.00, mean 1.00;" in text
