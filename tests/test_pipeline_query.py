@@ -103,9 +103,9 @@ def test_onepass_sweep(pool):
              "answers": needles[0][1]}]})
     nbs = [NoteBankConfig(**TINY_NB), NoteBankConfig(**{**TINY_NB, "chunk_size": 256})]
     rcs = [ReadConfig(method=m, max_new_tokens=4) for m in ("plain", "jrt", "notebank")] + \
-          [ReadConfig(method="notebank", top_r=1, router="random", max_new_tokens=4)]
+          [ReadConfig(method="notebank", top_r=1, router=r, max_new_tokens=4) for r in ("random", "embmax_centered")]
     rows = run_onepass(examples, TINY_MODEL, nbs, rcs, workers=pool)
-    assert len(rows) == 2 * 2 * 4 and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
     assert all(r["n_tokens"] > 1000 and r["score"] is not None for r in rows)
     assert {json.loads(r["notebank"])["chunk_size"] for r in rows} == {128, 256}
 
