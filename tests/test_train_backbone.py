@@ -34,3 +34,17 @@ def test_induction_taps(tok, bigram):
 def test_bigram_heads_out_of_range(tok):
     with pytest.raises(ValueError, match="bigram_heads"):
         build_model(ModelConfig(heads=4, bigram_heads=5), tok)
+
+
+def test_train_checkpoints_and_resumes(tok, tmp_path):
+    """A short run leaves a complete checkpoint (no temp file) and an HF dir; a rerun resumes it."""
+    from nbcore.training.backbone import TrainConfig, train
+    mc = ModelConfig(hidden=32, layers=1, heads=1, mlp=64, bigram_heads=1)
+    tc = TrainConfig(minutes=0.05, tokens_per_step=256, threads=1)
+    _, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=lambda s: None)
+    ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert ck["step"] == meta["steps"] >= 1 and not (tmp_path / "run" / "ckpt.pt.tmp").exists()
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    _, meta2 = train(mc, TrainConfig(minutes=0.1, tokens_per_step=256, threads=1), tmp_path / "model",
+                     tmp_path / "run", tok, log=lambda s: None)
+    assert meta2["steps"] > meta["steps"]

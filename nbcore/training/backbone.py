@@ -371,10 +371,13 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
                 "wall_s": round(time.time() - t0, 1)}
 
     def save():
+        # tmp + rename: a run killed mid-save (a session ends) keeps its previous checkpoint
+        tmp = ckpt_path.with_suffix(".pt.tmp")
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                     "elapsed": time.time() - t0, "tokens": tokens, "phase": phase,
                     "phase_log": phase_log,
-                    "torch_rng": torch.get_rng_state()}, ckpt_path)
+                    "torch_rng": torch.get_rng_state()}, tmp)
+        tmp.replace(ckpt_path)
         export(model, tok, out_dir, meta())
 
     model.train()
