@@ -31,6 +31,8 @@ class BackboneEntry:
     report_as: str = ""
     method_names: dict = field(default_factory=dict)
     methods: list = field(default_factory=list)     # this backbone's methods (default: the job's)
+    # this backbone's per-length method filter (default: the job's table, unless `methods` is given)
+    methods_by_length: dict = field(default_factory=dict)
     lengths: list = field(default_factory=list)     # this backbone's lengths (default: the job's)
     n_examples_by_length: dict = field(default_factory=dict)   # overrides the job's table
 
@@ -91,7 +93,8 @@ class EvalJobConfig(BackboneSweepConfig):
         from nbcore.evals.ruler_eval import method_config
         self.check_backbones()
         names = [*self.methods, *(m for b in self.backbones for m in b.methods),
-                 *(m for ms in self.methods_by_length.values() for m in ms)]
+                 *(m for ms in self.methods_by_length.values() for m in ms),
+                 *(m for b in self.backbones for ms in b.methods_by_length.values() for m in ms)]
         for m in names:
             try:
                 method_config(m)
@@ -103,6 +106,7 @@ class EvalJobConfig(BackboneSweepConfig):
         tables = [("n_examples_by_length", self.n_examples_by_length), ("methods_by_length", self.methods_by_length)]
         tables += [(f"backbones[{b.name}].n_examples_by_length", b.n_examples_by_length) for b in self.backbones]
         tables += [(f"backbones[{b.name}].lengths", b.lengths) for b in self.backbones]
+        tables += [(f"backbones[{b.name}].methods_by_length", b.methods_by_length) for b in self.backbones]
         for label, table in tables:
             for x in table:
                 if parse_length(x) not in known:
@@ -128,13 +132,13 @@ class EvalJobConfig(BackboneSweepConfig):
         return by.get(parse_length(length), self.n_examples)
 
     def methods_at(self, entry: BackboneEntry, length: str) -> list[str]:
-        """The job's methods restricted to methods_by_length[length] when given; an entry that names
-        its own ``methods`` gets exactly those at each of its lengths (add-on entries exist to run
-        what the job-wide table leaves out, e.g. the dense router at 1M)."""
-        if entry.methods:
-            return list(entry.methods)
-        ms = list(self.methods)
-        by = {parse_length(k): list(v) for k, v in self.methods_by_length.items()}
+        """Methods to run for ``entry`` at ``length``: the entry's ``methods`` (else the job's),
+        filtered by the entry's ``methods_by_length`` (else, for job methods only, the job's table).
+        An entry that names its own methods is not filtered by the job-wide table: add-on entries
+        exist to run what that table leaves out, e.g. the dense router at 1M."""
+        ms = list(entry.methods or self.methods)
+        table = entry.methods_by_length or ({} if entry.methods else self.methods_by_length)
+        by = {parse_length(k): list(v) for k, v in table.items()}
         allowed = by.get(parse_length(length))
         return [m for m in ms if allowed is None or m in allowed]
 

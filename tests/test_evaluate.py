@@ -201,6 +201,25 @@ def test_entry_methods_override_methods_by_length():
                        ("d", 1 << 20, ("nb-dense-top2",))]
 
 
+def test_entry_methods_by_length_filters_its_own_methods():
+    """An entry with its own methods and per-length table (JRT only where a second pass is cheap)."""
+    cfg = load_config(EvalJobConfig, None, [
+        "backbones=[{name: a, model: {path: m}, methods: [plain, jrt, nb-tf-top2], "
+        "methods_by_length: {1M: [plain, nb-tf-top2]}}]",
+        "lengths=[4K, 1M]", "methods=[plain]", "methods_by_length={4K: [plain]}",
+        "tasks=[niah_single_1]", "n_examples=1"]).validate()
+    planned = sorted((c["length"], tuple(c["methods"])) for c in plan_cells(cfg))
+    assert planned == [(4096, ("plain", "jrt", "nb-tf-top2")), (1 << 20, ("plain", "nb-tf-top2"))]
+    with pytest.raises(ConfigError, match="methods_by_length"):
+        load_config(EvalJobConfig, None, [
+            "backbones=[{name: a, model: {path: m}, methods_by_length: {256K: [plain]}}]",
+            "lengths=[4K]"]).validate()
+    with pytest.raises(ConfigError):
+        load_config(EvalJobConfig, None, [
+            "backbones=[{name: a, model: {path: m}, methods_by_length: {4K: [no-such-method]}}]",
+            "lengths=[4K]"]).validate()
+
+
 def test_an_example_measured_twice_counts_once():
     rows = [dict(_row("plain", "a", 4096, s, 1.0), budget="default") for s in (100.0, 100.0, 0.0)]
     rows[2]["index"] = 1
@@ -219,3 +238,20 @@ def test_best_variant_must_be_measured_everywhere():
     rows += [_row("nb-embmax_centered-top2", "b", 4096, 0, 1.0)]
     text = "\n".join(routers_section(pd.DataFrame(rows), bar_lengths=(4096,)))
     assert "**embmax_centered** (worst 1.00, mean 1.00;" in text
+
+
+@pytest.mark.parametrize("name", ["eval_ruler", "eval_smoke"])
+def test_shipped_ruler_configs_validate_and_point_at_shipped_models(name):
+    """The full sweep and the CI smoke: launch command in the header, every entry plans cells, and
+    every model / adapter path is in the repository (a clean clone can run them)."""
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    path = repo / "configs" / f"{name}.yaml"
+    assert f"python jobs/evaluate.py -c configs/{name}.yaml" in path.read_text().split("\nbenchmark:")[0]
+    cfg = load_config(EvalJobConfig, path).validate()
+    cells = plan_cells(cfg)
+    assert {c["backbone"] for c in cells} == {b.name for b in cfg.backbones}
+    for b in cfg.backbones:
+        for p in (b.model.path, getattr(b.model, "adapter", None)):
+            if p:
+                assert (repo / p / "config.json").is_file() or (repo / p / "adapter_config.json").is_file(), p

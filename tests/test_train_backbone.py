@@ -48,3 +48,8 @@ def test_train_checkpoints_and_resumes(tok, tmp_path):
     _, meta2 = train(mc, TrainConfig(minutes=0.1, tokens_per_step=256, threads=1), tmp_path / "model",
                      tmp_path / "run", tok, log=lambda s: None)
     assert meta2["steps"] > meta["steps"]
+    from nbcore.training.backbone import write_readme
+    meta2["limits"] = "multi-key recall needs key binding"
+    write_readme(tmp_path / "model", meta2, [{"length": 64, "n": 1, "scores": {"niah_single_1": 0.0}}])
+    text = (tmp_path / "model" / "README.md").read_text()
+    assert "| 64 | niah_single_1 | 1 | 0.0 |" in text and text.endswith("needs key binding\n")

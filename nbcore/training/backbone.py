@@ -491,4 +491,6 @@ sequence each step; checked in tests/test_tiny_models.py). Training lengths are 
 | length | task | N | score |
 |---|---|---|---|
 """ + "\n".join(rows) + "\n"
+    if meta.get("limits"):  # hand-written diagnosis kept in train_meta.json, survives re-evaluation
+        text += "\n## Known limits\n\n" + meta["limits"].strip() + "\n"
     (out_dir / "README.md").write_text(text)
