@@ -75,14 +75,6 @@ def test_sweep_runs_resumes_and_reports(ray_session, tmp_path):
     assert again["cells_skipped"] == 4 and again["cells_run"] == 0
 
 
-@pytest.mark.parametrize("name", ["eval_smoke", "eval_ruler"])
-def test_shipped_eval_configs_load(name):
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
-    cfg = load_config(EvalJobConfig, path).validate()
-    assert cfg.backbones and f"python jobs/evaluate.py -c configs/{name}.yaml" in path.read_text()
-
-
 def test_plan_per_length_counts_methods_and_report_names():
     """n_examples_by_length / methods_by_length / per-backbone lengths shape the grid; an adapter
     entry reports under its base backbone with renamed methods (issue 5's summary keys)."""
@@ -241,7 +233,7 @@ def test_best_variant_must_be_measured_everywhere():
 
 
 @pytest.mark.parametrize("name", ["eval_ruler", "eval_smoke"])
-def test_shipped_ruler_configs_validate_and_point_at_shipped_models(name):
+def test_shipped_eval_configs_load(name):
     """The full sweep and the CI smoke: launch command in the header, every entry plans cells, and
     every model / adapter path is in the repository (a clean clone can run them)."""
     from pathlib import Path
@@ -255,3 +247,21 @@ def test_shipped_ruler_configs_validate_and_point_at_shipped_models(name):
         for p in (b.model.path, getattr(b.model, "adapter", None)):
             if p:
                 assert (repo / p / "config.json").is_file() or (repo / p / "adapter_config.json").is_file(), p
+
+
+def test_bars_section_checks_issue_4_from_rows():
+    """The bar table is computed from rows: plain 10 / NB 70 at 1M holds, a 0.5 coverage ratio does not."""
+    from nbcore.evals.report import bars_section
+    rows = []
+    for i in range(2):
+        for t in ("a", "b"):
+            for n in (1 << 16, 1 << 20):
+                rows.append(dict(_row("plain", t, n, 10.0, float("nan")), index=i))
+                rows.append(dict(_row("nb-tf-top2", t, n, 70.0, 0.5, arch=1.0), index=i))
+    text = "\n".join(bars_section(pd.DataFrame(rows)))
+    assert "Examples per task (plain rows): 64K 2, 1M 2" in text
+    assert "| plain, six-task mean at 1M | 10.0 | <= 20 | yes | 2 |" in text
+    assert "| nb-tf-top2 at 1M | 70.0 | >= 60 | yes | 2 |" in text
+    assert "| nb-tf-top2 minus plain at 64K | 60.0 | >= 40 | yes | 2 |" in text
+    assert "| nb-tf-top2 retrieved / archived coverage at 1M | 0.50 | >= 0.9 | **no** | 2 |" in text
+    assert bars_section(pd.DataFrame([r for r in rows if r["method"] == "plain"])) == []
