@@ -31,7 +31,8 @@ def main(argv=None):
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
     cfg = parse(cls, __doc__.split("\n")[0], argv)
-    started = setup(cfg)
+    # report_only rebuilds from finished cells: no Ray (starting one on a busy node can time out)
+    started = False if getattr(cfg, "report_only", False) else setup(cfg)
     try:
         summary = run(cfg)
     except ConfigError as e:                        # e.g. a data file found missing at run time

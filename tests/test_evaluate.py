@@ -258,10 +258,12 @@ def test_bars_section_checks_issue_4_from_rows():
             for n in (1 << 16, 1 << 20):
                 rows.append(dict(_row("plain", t, n, 10.0, float("nan")), index=i))
                 rows.append(dict(_row("nb-tf-top2", t, n, 70.0, 0.5, arch=1.0), index=i))
+                rows.append(dict(_row("nb-oracle-top2", t, n, 80.0, 0.5 if t == "a" else 1.0, arch=1.0), index=i))
     text = "\n".join(bars_section(pd.DataFrame(rows)))
     assert "Examples per task (plain rows): 64K 2, 1M 2" in text
     assert "| plain, six-task mean at 1M | 10.0 | <= 20 | yes | 2 |" in text
     assert "| nb-tf-top2 at 1M | 70.0 | >= 60 | yes | 2 |" in text
     assert "| nb-tf-top2 minus plain at 64K | 60.0 | >= 40 | yes | 2 |" in text
     assert "| nb-tf-top2 retrieved / archived coverage at 1M | 0.50 | >= 0.9 | **no** | 2 |" in text
+    assert "| ceiling: nb-oracle-top2 retrieved / archived coverage at 1M | 0.75 | (reference) | — | 2 |" in text
     assert bars_section(pd.DataFrame([r for r in rows if r["method"] == "plain"])) == []
