@@ -88,24 +88,28 @@ def _md_table(df, index, columns, values, fmt="{:.1f}") -> str:
 
 
 # The lines people compare first (paper Fig. 3 plus the resets and readers); the rest is in tables.
-KEY_METHODS = ("plain", "jrt", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", "nb-embmax-top2",
-               "nb-embmax-top2-reset", "nb-bm25-top2", "nb-bm25-top2-reset", "nb-oracle-top2",
+KEY_METHODS = ("plain", "jrt", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", "nb-embmax_centered-top2",
+               "nb-embmax_centered-top2-reset", "nb-bm25-top2", "nb-bm25-top2-reset", "nb-oracle-top2",
                "nb-oracle-top2-reset", "nb-lora-top2", "plain-lora")
 
 
 def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
+    """One panel per backbone; a method keeps its colour in every panel, one legend below."""
     plt = pyplot()
     if df["method"].nunique() > max_lines:            # readable: the key methods only
         df = df[df["method"].isin(KEY_METHODS)]
     bbs = sorted(df["backbone"].unique())
-    fig, axes = plt.subplots(1, len(bbs), figsize=(6.5 * len(bbs), 4.6), squeeze=False)
+    methods = [m for m in KEY_METHODS if m in set(df.method)] + sorted(set(df.method) - set(KEY_METHODS))
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(bbs), figsize=(6.5 * len(bbs), 5.2), squeeze=False)
     for ax, bb in zip(axes[0], bbs):
         d = df[df.backbone == bb].groupby(["method", "length", "task"])["score"].mean().reset_index()
         d = d.groupby(["method", "length"])["score"].mean().reset_index()
-        for m, g in d.groupby("method"):
-            g = g.sort_values("length")
+        for m in [x for x in methods if x in set(d.method)]:
+            g = d[d.method == m].sort_values("length")
             style = "--" if not m.startswith("nb-") else "-"
-            ax.plot(g["length"], g["score"], style, marker="o", label=m, linewidth=2 if m == "nb-tf-top2" else 1.2)
+            ax.plot(g["length"], g["score"], style, marker="o", label=m, color=colors[m],
+                    linewidth=2.4 if m in ("nb-tf-top2", "nb-embmax_centered-top2-reset") else 1.2)
         ax.set_xscale("log", base=2)
         lengths = sorted(d["length"].unique())
         ax.set_xticks(lengths, [length_label(x) for x in lengths])
@@ -114,9 +118,14 @@ def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
         ax.set_ylabel("mean RULER score (0-100)")
         ax.set_title(bb)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    fig.suptitle("Accuracy vs context length (dashed: no NoteBank)")
-    save_figure(fig, path)
+    handles = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(7, len(handles)), fontsize=8,
+               frameon=False)
+    fig.suptitle("Accuracy vs context length (dashed: no NoteBank; thick: paper's NB-TF and best native + reset)")
+    save_figure(fig, path, rect=(0, 0.1, 1, 0.95))
 
 
 def plot_coverage(df, path: str, method: str = "nb-tf-top2") -> None:
