@@ -44,6 +44,16 @@ def save_figure(fig, path: str, rect=None) -> None:
     plt.close(fig)
 
 
+def figure_legend(fig, axes, ncol: int) -> None:
+    """One legend below all panels: each label once, in first-seen order (colours are shared)."""
+    handles = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(ncol, len(handles)),
+               fontsize=8, frameon=False)
+
+
 def start_report(df, out_dir: str, summarize, title: str, meta: dict | None, **json_kw) -> tuple[dict, list[str]]:
     """Create out_dir and write summarize(df) to summary.json (json_kw: json.dump options, default indent=2).
     -> (summary, the first report.md lines: title and one bullet per `meta` item)."""
@@ -118,12 +128,7 @@ def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
         ax.set_ylabel("mean RULER score (0-100)")
         ax.set_title(bb)
         ax.grid(alpha=0.3)
-    handles = {}
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(7, len(handles)), fontsize=8,
-               frameon=False)
+    figure_legend(fig, axes[0], ncol=7)
     fig.suptitle("Accuracy vs context length (dashed: no NoteBank; thick: paper's NB-TF and best native + reset)")
     save_figure(fig, path, rect=(0, 0.1, 1, 0.95))
 
@@ -271,12 +276,7 @@ def plot_router_coverage(df, path: str, r: int = 2) -> None:
         ax.set_ylabel(f"retrieved gold coverage (top-{r})")
         ax.set_title(bb)
         ax.grid(alpha=0.3)
-    handles, labels = {}, {}
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(8, len(handles)), fontsize=8,
-               frameon=False)
+    figure_legend(fig, axes[0], ncol=8)
     fig.suptitle("Native addressing variants vs external routers: is the archived evidence retrieved?")
     save_figure(fig, path, rect=(0, 0.12, 1, 0.95))
 
