@@ -2,6 +2,9 @@
 
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn --minutes 60 --seed 0
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn --eval-only --length 1024 --n 50
+    # grow a shipped model (deeper, wider conv; same logits at step 0) and keep training it:
+    python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v3 --init-from models/tiny-gdn-v2 \
+        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --phases grow --lr 5e-4 --minutes 60
 """
 from __future__ import annotations
 
@@ -43,6 +46,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bigram-heads", type=int, default=0,
                     help="GDN heads per layer with the bigram induction init (0: all unigram)")
+    ap.add_argument("--window-heads", type=int, default=0,
+                    help="GDN heads per layer whose q/k convs read a bag of the last --conv tokens")
+    ap.add_argument("--offset-heads", nargs="*", default=[], metavar="QLAG:KLAG",
+                    help="GDN offset-induction heads per layer, e.g. 6:3 (q reads t-6, k reads t-3)")
+    ap.add_argument("--conv", type=int, default=4, help="short-conv kernel size")
+    ap.add_argument("--init-from", default=None,
+                    help="HF model dir to grow from (same family and tokenizer; see grow_from)")
+    ap.add_argument("--prepend-layers", type=int, default=0,
+                    help="with --init-from: how many of the new layers go before the source's layers")
+    ap.add_argument("--phases", choices=sorted(bb.PHASES), default=None,
+                    help="length curriculum (default: grow with --init-from, else scratch)")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--length", type=int, nargs="*", default=[1024])
     ap.add_argument("--n", type=int, default=50)
@@ -77,11 +91,17 @@ def main(argv=None) -> int:
         return 0
 
     # resume: reuse the tokenizer already written next to the model (it is the canonical one)
-    tok = load_tokenizer(out) if (out / "tokenizer.json").is_file() else build_tokenizer()
+    # (a grown model keeps its source's tokenizer: the embeddings are indexed by it)
+    tok_dir = out if (out / "tokenizer.json").is_file() else (Path(args.init_from) if args.init_from else None)
+    tok = load_tokenizer(tok_dir) if tok_dir else build_tokenizer()
     mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads, mlp=args.mlp,
-                        bigram_heads=args.bigram_heads)
+                        conv=args.conv, bigram_heads=args.bigram_heads, window_heads=args.window_heads,
+                        offset_heads=tuple(tuple(int(x) for x in o.split(":")) for o in args.offset_heads))
+    phases = args.phases or ("grow" if args.init_from else "scratch")
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
-                        tokens_per_step=args.tokens_per_step, lr=args.lr)
+                        tokens_per_step=args.tokens_per_step, lr=args.lr, init_from=args.init_from,
+                        grow_prepend=args.prepend_layers,
+                        phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0
 

@@ -39,8 +39,9 @@ def byte_tokenizer():
 
 
 def tiny_gdn_config(vocab_size: int = 262, hybrid: bool = False, layers: int = 2, hidden: int = 64,
-                    key_heads: int = 2, value_heads: int = 4, head_dim: int = 16):
-    """transformers Qwen3.5 text config: all `linear_attention` (pure GDN) or 3:1 GDN/attention."""
+                    key_heads: int = 2, value_heads: int = 4, head_dim: int = 16, conv: int = 4):
+    """transformers Qwen3.5 text config: all `linear_attention` (pure GDN) or 3:1 GDN/attention;
+    ``conv`` = short-conv kernel size (models/tiny-gdn-v3 uses 10)."""
     from transformers import Qwen3_5TextConfig
     if hybrid:
         layers = max(layers, 4)
@@ -50,7 +51,8 @@ def tiny_gdn_config(vocab_size: int = 262, hybrid: bool = False, layers: int = 2
     return Qwen3_5TextConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         layer_types=types, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, num_attention_heads=2,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=conv,
+        num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)
 

@@ -14,6 +14,7 @@ from nbcore.testing import byte_tokenizer, tiny_gdn_config, tiny_mamba2_config
 FAMILIES = {
     "gdn": lambda: tiny_gdn_config(),
     "gdn-hybrid": lambda: tiny_gdn_config(hybrid=True),
+    "gdn-conv10": lambda: tiny_gdn_config(conv=10),  # conv state longer than a 1-token chunk
     "mamba2": lambda: tiny_mamba2_config(),
 }
 

@@ -53,3 +53,100 @@ def test_train_checkpoints_and_resumes(tok, tmp_path):
     write_readme(tmp_path / "model", meta2, [{"length": 64, "n": 1, "scores": {"niah_single_1": 0.0}}])
     text = (tmp_path / "model" / "README.md").read_text()
     assert "| 64 | niah_single_1 | 1 | 0.0 |" in text and text.endswith("needs key binding\n")
+
+
+@pytest.mark.parametrize("window,conv", [(1, 4), (2, 7)], ids=["w1-conv4", "w2-conv7"])
+def test_window_taps(tok, window, conv):
+    """Window heads: q sums tokens t..t-(K-1), k sums t-1..t-(K-1); other heads keep their taps."""
+    w, kd, hd = _taps(build_model(ModelConfig(heads=4, conv=conv, window_heads=window, bigram_heads=1), tok))
+    K = w.shape[1]
+    assert K == conv
+    hi, lo = window * hd, kd - hd
+    for c in range(kd):
+        q, k = w[c], w[kd + c]
+        if c < hi:
+            assert torch.equal(q, torch.ones(K)) and torch.equal(k, torch.tensor([1.0] * (K - 1) + [0.0])), c
+        else:
+            assert q[-1] == 1.0 and k[-1] == 0.0 and k[-2] == 1.0, c        # induction (t-1 -> t)
+            assert (q[:-2].abs().sum() == 0) and (c >= lo or q[-2] == 0), c
+
+
+def test_offset_taps(tok):
+    """Offset head (a, b): q reads exactly t-a, k exactly t-b, v t; placed after the window heads."""
+    w, kd, hd = _taps(build_model(ModelConfig(heads=4, conv=8, window_heads=1, offset_heads=((6, 3),)), tok))
+    one = lambda lag: torch.eye(8)[7 - lag]  # noqa: E731
+    for c in range(hd, 2 * hd):
+        assert torch.equal(w[c], one(6)) and torch.equal(w[kd + c], one(3)), c
+    assert torch.equal(w[2 * hd], one(0)) and torch.equal(w[kd + 2 * hd], one(1))  # head 2: induction
+    with pytest.raises(ValueError, match="conv size"):
+        build_model(ModelConfig(heads=4, conv=4, offset_heads=((6, 3),)), tok)
+
+
+def test_window_and_bigram_heads_must_fit(tok):
+    with pytest.raises(ValueError, match="window_heads"):
+        build_model(ModelConfig(heads=4, window_heads=3, bigram_heads=2), tok)
+
+
+@pytest.fixture(scope="module")
+def small_source(tok, tmp_path_factory):
+    """A trained-looking 2-layer GDN saved as an HF dir (random weights are enough to compare)."""
+    d = tmp_path_factory.mktemp("src")
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(hidden=32, layers=2, heads=2, mlp=64, bigram_heads=1), tok)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # move off the init so copying is really tested
+    m.save_pretrained(d)
+    return d, m
+
+
+@pytest.mark.parametrize("prepend", [0, 1], ids=["append", "prepend"])
+def test_grow_from_keeps_the_logits(tok, small_source, prepend):
+    """Deeper (2 -> 3 layers, the new one last or first) and a longer conv (4 -> 7 taps): same
+    logits as the source, and the new layer really is new (nonzero grads into its zeroed
+    projections)."""
+    from nbcore.training.backbone import grow_from
+    src_dir, src = small_source
+    big = build_model(ModelConfig(hidden=32, layers=3, heads=2, mlp=64, conv=7, bigram_heads=1,
+                                  offset_heads=((6, 3),)), tok)
+    rep = grow_from(big, src_dir, prepend=prepend)
+    new = 0 if prepend else 2
+    assert rep["conv_padded"] == 2 and {n.split(".")[2] for n in rep["new"]} == {str(new)}
+    ids = torch.randint(5, len(tok), (2, 63))
+    with torch.no_grad():
+        a = src(input_ids=ids, use_cache=False).logits
+        b = big(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    big(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert big.model.layers[new].linear_attn.out_proj.weight.grad.abs().sum() > 0
+
+
+def test_grow_from_refuses_a_narrower_model(tok, small_source):
+    from nbcore.training.backbone import grow_from
+    src_dir, _ = small_source
+    with pytest.raises(ValueError, match="cannot grow"):
+        grow_from(build_model(ModelConfig(hidden=32, layers=2, heads=2, mlp=32), tok), src_dir)
+
+
+def test_write_gate_fits_number_starts(tok):
+    """After the fit, the offset head writes (beta > 0.5) at every " <digit>" token and nowhere else
+    in a sentence without numbers; the other heads' gates are untouched."""
+    from nbcore.training.backbone import fit_write_gate, number_start_ids
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(hidden=64, layers=1, heads=2, mlp=64, conv=8, offset_heads=((6, 3),)), tok)
+    ids = number_start_ids(tok)
+    assert len(ids) == 10 and all(tok.convert_ids_to_tokens(i)[1:].isdigit() for i in ids)
+    other = m.model.layers[0].linear_attn.in_proj_b.weight[1].clone()
+    with torch.no_grad():  # as in a trained table: a common direction (in_proj_b has no bias, this
+        emb = m.get_input_embeddings().weight   # is what lets beta be ~0 by default) and a shared
+        emb += 0.05 * torch.randn(64)          # direction of the number tokens
+        emb[ids] += 0.05 * torch.randn(64)
+    leak = fit_write_gate(m.model.layers[0], m.get_input_embeddings().weight.detach(), ids, [0])
+    assert leak < 0.5
+    layer = m.model.layers[0]
+    text = tok(" The grass is green, the sky is blue; go home.", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        beta = lambda t: layer.linear_attn.in_proj_b(layer.input_layernorm(  # noqa: E731
+            m.get_input_embeddings().weight[t]))[..., 0].sigmoid()
+        assert (beta(torch.tensor(ids)) > 0.5).all() and (beta(torch.tensor(text)) < 0.5).all()
+    assert torch.equal(layer.linear_attn.in_proj_b.weight[1], other)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class ModelConfig:
     emb_std: float = 0.02  # tied embeddings std
     identity_init: bool = True  # q/k/v/out projections start as identity slices (see _init_gdn)
     bigram_heads: int = 0  # GDN heads per layer whose induction init matches (t-1, t) bigrams (see _init_gdn)
+    window_heads: int = 0  # GDN heads per layer whose q/k convs read a bag of the last `conv` tokens (see _init_gdn)
+    offset_heads: tuple = ()  # (q lag, k lag) per GDN head after the window heads: offset induction (see _init_gdn)
 
 
 @dataclass
@@ -72,12 +75,25 @@ class TrainConfig:
     # exceeds this, or at the latest at this fraction of the time budget). Performance-gated:
     # on a loaded 2-core machine a time-only schedule moved on before the answer loss had left
     # chance level.
-    phases: list = field(default_factory=lambda: [
+    phases: list = field(default_factory=lambda: list(PHASES["scratch"]))
+    init_from: str | None = None  # grow a shipped model (grow_from) instead of a fresh init
+    grow_prepend: int = 0  # with init_from: new layers placed before the source's layers
+
+
+# Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
+# training lengths, with the two tasks the first models missed (multikey binding, uuid copies)
+# drawn twice as often (a task listed twice is drawn twice as often).
+PHASES = {
+    "scratch": [
         (128, 256, ("niah_single_1",), 0.8, 0.35),
         (128, 512, ("niah_single_1", "niah_single_2", "niah_single_3"), 0.7, 0.50),
         (256, 1024, NIAH_TRAIN_TASKS, 0.6, 0.80),
         (512, 2048, NIAH_TRAIN_TASKS, 2.0, 1.0),
-    ])
+    ],
+    "grow": [
+        (256, 2048, NIAH_TRAIN_TASKS + ("niah_multikey_1", "niah_single_3"), 2.0, 1.0),
+    ],
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,7 +115,7 @@ def build_model(mc: ModelConfig, tok):
             max_position_embeddings=1 << 20, **ids)
         model = Qwen3_5ForCausalLM(cfg)
         for layer in model.model.layers:
-            _init_gdn(layer.linear_attn, mc.identity_init, mc.bigram_heads)
+            _init_gdn(layer.linear_attn, mc.identity_init, mc.bigram_heads, mc.window_heads, mc.offset_heads)
     elif mc.family == "mamba2":
         from transformers import Mamba2Config, Mamba2ForCausalLM
         inter = 2 * mc.hidden
@@ -116,6 +132,15 @@ def build_model(mc: ModelConfig, tok):
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(0.0, mc.emb_std)
     return model
+
+
+def _conv_window(conv: torch.nn.Conv1d, sl: slice, first_lag: int) -> None:
+    """Depthwise causal conv channels ``sl`` read the sum of tokens t-first_lag ... t-(K-1)."""
+    k = conv.weight.shape[-1]
+    conv.weight.data[sl] = 0.0
+    conv.weight.data[sl, 0, :k - first_lag] = 1.0
+    if conv.bias is not None:
+        conv.bias.data[sl] = 0.0
 
 
 def _conv_taps(conv: torch.nn.Conv1d, sl: slice, lag: int, also: int | None = None) -> None:
@@ -136,7 +161,8 @@ def _eye(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _init_gdn(m, identity: bool = True, bigram_heads: int = 0) -> None:
+def _init_gdn(m, identity: bool = True, bigram_heads: int = 0, window_heads: int = 0,
+              offset_heads: tuple = ()) -> None:
     """Long-memory decay + a working induction head from step 0.
 
     q = k = v = identity slices of the normed hidden state (token embeddings are nearly
@@ -151,6 +177,22 @@ def _init_gdn(m, identity: bool = True, bigram_heads: int = 0) -> None:
     the key matches the last two tokens, not one. Why: the unigram head loses its place at a
     repeated token inside a value ("4b88" -> after "4" either "b" or "8"); the shipped 1-layer-lag
     model copied uuids at 6.7% and mixed multi-key values at such repeats (README, diagnosis).
+
+    ``window_heads``: the first that many heads read q = the sum of tokens t..t-(K-1) and k = the
+    sum of t-1..t-(K-1) (K = conv size): a bag of the recent words, so a value is stored under the
+    key words a few tokens before it ("... for swift-cloud is: 1408069") and found from a question
+    whose key is ~7 tokens back ("... for swift-cloud mentioned in the provided text is"). Why: the
+    bigram models copied the value of a *distractor* key on niah_multikey_1 (15 of 20 errors);
+    with conv 4 no head sees the key from the question's answer position.
+
+    ``offset_heads``: (a, b) per head, after the window heads: q reads token t-a, k reads t-b, v
+    reads t. The state stores (token b back -> current token); a query returns what came b tokens
+    after the token a back. With (6, 3) and the training formats' needle "... for <key> is:
+    <value>" (key's last token 3 before the value's first) and answer prefix "... for <key>
+    mentioned in the provided text is" (key's last token 6 before the answer), the head at the
+    answer position returns the first token of the value stored under *that* key: the binding
+    the bigram models lacked. This encodes the distance between key and value in the training
+    formats (keys and values stay unseen); training tunes or discards it.
     """
     kd, vd, hid = m.key_dim, m.value_dim, m.hidden_size
     w = m.in_proj_qkv.weight  # [2*kd + vd, hidden]: rows q | k | v
@@ -169,6 +211,26 @@ def _init_gdn(m, identity: bool = True, bigram_heads: int = 0) -> None:
         lo = kd - bigram_heads * hd                            # the last heads' q/k channels
         _conv_taps(m.conv1d, slice(lo, kd), 0, also=1)         # q reads t and t-1
         _conv_taps(m.conv1d, slice(kd + lo, 2 * kd), 1, also=2)  # k reads t-1 and t-2
+    if window_heads:
+        hd = kd // m.num_k_heads
+        if not 0 < window_heads + bigram_heads <= m.num_k_heads:
+            raise ValueError(f"window_heads={window_heads} + bigram_heads={bigram_heads} must be "
+                             f"in 1..{m.num_k_heads}")
+        hi = window_heads * hd                               # the first heads' q/k channels
+        _conv_window(m.conv1d, slice(0, hi), 0)              # q: bag of t .. t-(K-1)
+        _conv_window(m.conv1d, slice(kd, kd + hi), 1)        # k: bag of t-1 .. t-(K-1)
+    if offset_heads:
+        hd, K = kd // m.num_k_heads, m.conv1d.weight.shape[-1]
+        first = window_heads
+        if first + len(offset_heads) + bigram_heads > m.num_k_heads:
+            raise ValueError(f"offset_heads={offset_heads} + window_heads={window_heads} + "
+                             f"bigram_heads={bigram_heads} exceed {m.num_k_heads} heads")
+        for i, (a, b) in enumerate(offset_heads):
+            if not (0 <= a < K and 0 < b < K):
+                raise ValueError(f"offset head lags {(a, b)} must be < conv size {K} (k lag >= 1)")
+            sl = slice((first + i) * hd, (first + i + 1) * hd)
+            _conv_taps(m.conv1d, sl, a)                                     # q reads t-a
+            _conv_taps(m.conv1d, slice(kd + sl.start, kd + sl.stop), b)     # k reads t-b
     h = m.num_v_heads
     # decay per token exp(g), g = -A*softplus(dt_bias): A in [0.02, 0.2], softplus(-4) ~ 0.018
     m.A_log.copy_(torch.linspace(math.log(0.02), math.log(0.2), h))
@@ -195,6 +257,88 @@ def _init_mamba2(m, identity: bool = True) -> None:
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
     m.dt_bias.fill_(math.log(math.expm1(0.25)))
     m.D.fill_(0.0)
+
+
+@torch.no_grad()
+def grow_from(model, src_dir: str | Path, prepend: int = 0) -> dict:
+    """Copy a trained model of the same family into a wider-conv and/or deeper ``model`` so that
+    the grown model computes exactly the same logits as the source (tests/test_tiny_models.py).
+
+    * a parameter of the same shape is copied;
+    * a short-conv weight [C, 1, K_src] goes to the last K_src taps of [C, 1, K] (index K-1 = t);
+      the older taps start at 0, so the conv reads what it read before;
+    * the grown model's extra layers keep their fresh init (window/offset/induction heads) except
+      the two projections back into the residual stream (attention out_proj, MLP down_proj), which
+      start at 0: a new layer adds nothing until training gives it a reason to. ``prepend`` of
+      them go before the source's layers (they then read the raw token embeddings, where token
+      identity is sharp), the rest after.
+    Returns {"copied": n, "conv_padded": n, "new": [names]}.
+    """
+    from transformers import AutoModelForCausalLM
+    src = AutoModelForCausalLM.from_pretrained(src_dir).state_dict()
+    if prepend:  # source layer i becomes layer i + prepend
+        src = {re.sub(r"(\.layers\.)(\d+)\.", lambda g: f"{g[1]}{int(g[2]) + prepend}.", k): v
+               for k, v in src.items()}
+    dst = model.state_dict()
+    rep = {"copied": 0, "conv_padded": 0, "new": []}
+    for name, t in dst.items():
+        if name not in src:
+            rep["new"].append(name)
+            if name.endswith(("out_proj.weight", "down_proj.weight")):
+                t.zero_()
+            continue
+        w = src[name]
+        if w.shape == t.shape:
+            t.copy_(w)
+            rep["copied"] += 1
+        elif name.endswith("conv1d.weight") and w.shape[:-1] == t.shape[:-1] and w.shape[-1] < t.shape[-1]:
+            t.zero_()
+            t[..., -w.shape[-1]:] = w
+            rep["conv_padded"] += 1
+        else:
+            raise ValueError(f"cannot grow {name}: source {tuple(w.shape)} -> {tuple(t.shape)}")
+    missing = sorted(set(src) - set(dst))
+    if missing:
+        raise ValueError(f"grown model lacks source parameters {missing[:4]}...")
+    return rep
+
+
+def number_start_ids(tok) -> list[int]:
+    """Token ids of " <digits>": the first token of every number value in the training formats."""
+    return sorted(i for t, i in tok.get_vocab().items() if t[:1] == " " and t[1:].isdigit())
+
+
+def fit_write_gate(layer, embeddings: torch.Tensor, write_ids: list[int], heads: list[int],
+                   l2: float = 1e-3) -> float:
+    """Set the write strength beta = sigmoid(in_proj_b h) of GDN ``heads`` in ``layer`` so that
+    the head writes (beta ~ 1) at tokens ``write_ids`` and hardly anywhere else: logistic
+    regression of the layer's normed input embeddings, [V, hidden] -> is-a-write-token.
+
+    Why: an offset head's keys are single tokens, so with the random init's beta ~ 0.5 at every
+    position ~1K writes of the haystack swamp the needle's (measured on the grown tiny-gdn-v2:
+    first value digit retrieved 0/10 with the init gate, 9/10 with this one). Layer 0 only: its
+    input is the token embedding itself. ``in_proj_b`` has no bias, so "off by default" needs a
+    trained (anisotropic) table; on v2's the largest beta on another token is 0.27. Returns it.
+    """
+    with torch.no_grad():
+        x = layer.input_layernorm(embeddings)                    # [V, hidden]
+    y = torch.zeros(x.shape[0])
+    y[write_ids] = 1.0
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=300)
+    pos_weight = (len(y) - y.sum()) / y.sum()
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(x @ w, y, pos_weight=pos_weight) + l2 * w.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        for h in heads:
+            layer.linear_attn.in_proj_b.weight[h] = w
+        return float((x @ w).sigmoid()[y == 0].max())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,6 +473,14 @@ def lr_at(step_frac: float, step: int, tc: TrainConfig) -> float:
     return tc.lr * warm * cos
 
 
+def _source_meta(src_dir: str) -> dict:
+    """What a grown model started from: the source's path and training totals (its train_meta)."""
+    p = Path(src_dir) / "train_meta.json"
+    m = json.loads(p.read_text()) if p.is_file() else {}
+    return {"path": str(src_dir), "steps": m.get("steps"), "tokens": m.get("tokens"),
+            "wall_s": m.get("wall_s"), "model": m.get("model")}
+
+
 def export(model, tok, out_dir: Path, meta: dict) -> None:
     """Write the HF model dir (config, safetensors, tokenizer, train_meta.json)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -343,7 +495,14 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     random.seed(tc.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / "ckpt.pt"
-    model = build_model(mc, tok).to(tc.device)
+    model = build_model(mc, tok)
+    grown = grow_from(model, tc.init_from, tc.grow_prepend) if tc.init_from and not ckpt_path.exists() else None
+    if grown and mc.offset_heads and tc.grow_prepend:  # the new first layer's offset heads (see fit_write_gate)
+        heads = list(range(mc.window_heads, mc.window_heads + len(mc.offset_heads)))
+        leak = fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
+                              number_start_ids(tok), heads)
+        log(f"offset heads {heads} of layer 0 write at number starts (max beta elsewhere {leak:.2f})")
+    model = model.to(tc.device)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(0.9, 0.95),
                             weight_decay=tc.weight_decay)
     step, elapsed, tokens, phase = 0, 0.0, 0, 0
@@ -356,7 +515,9 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
         phase = ck.get("phase", 0)
         log(f"resumed from {ckpt_path} at step {step}, {elapsed:.0f}s, {tokens} tokens")
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"{mc.family}: {n_params} params; budget {tc.minutes} min")
+    log(f"{mc.family}: {n_params} params; budget {tc.minutes} min"
+        + (f"; grown from {tc.init_from}: {grown['copied']} copied, {grown['conv_padded']} convs "
+           f"padded, {len(grown['new'])} new tensors" if grown else ""))
     budget = tc.minutes * 60
     t0, last_ckpt = time.time() - elapsed, time.time()
     ema = None
@@ -368,6 +529,7 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
                 "phases": [[p[0], p[1], list(p[2]), p[3], p[4]] for p in tc.phases],
                 "phase_log": phase_log,
                 "params": n_params, "steps": step, "tokens": tokens,
+                **({"init_from": _source_meta(tc.init_from)} if tc.init_from else {}),
                 "wall_s": round(time.time() - t0, 1)}
 
     def save():
