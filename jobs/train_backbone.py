@@ -4,7 +4,7 @@
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn --eval-only --length 1024 --n 50
     # grow a shipped model (deeper, wider conv; same logits at step 0) and keep training it:
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v3 --init-from models/tiny-gdn-v2 \
-        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --phases grow --lr 5e-4 --minutes 60
+        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --new-layer-lr-mult 10 --phases grow --lr 5e-4 --minutes 60
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
                     help="HF model dir to grow from (same family and tokenizer; see grow_from)")
     ap.add_argument("--prepend-layers", type=int, default=0,
                     help="with --init-from: how many of the new layers go before the source's layers")
+    ap.add_argument("--new-layer-lr-mult", type=float, default=1.0,
+                    help="with --init-from: lr multiplier of the new layers")
     ap.add_argument("--phases", choices=sorted(bb.PHASES), default=None,
                     help="length curriculum (default: grow with --init-from, else scratch)")
     ap.add_argument("--eval-only", action="store_true")
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     phases = args.phases or ("grow" if args.init_from else "scratch")
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
                         tokens_per_step=args.tokens_per_step, lr=args.lr, init_from=args.init_from,
-                        grow_prepend=args.prepend_layers,
+                        grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
                         phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0

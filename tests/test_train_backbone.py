@@ -150,3 +150,18 @@ def test_write_gate_fits_number_starts(tok):
             m.get_input_embeddings().weight[t]))[..., 0].sigmoid()
         assert (beta(torch.tensor(ids)) > 0.5).all() and (beta(torch.tensor(text)) < 0.5).all()
     assert torch.equal(layer.linear_attn.in_proj_b.weight[1], other)
+
+
+def test_train_grows_a_source_and_trains_new_layers_faster(tok, small_source, tmp_path):
+    from nbcore.training.backbone import TrainConfig, train
+    src_dir, _ = small_source
+    mc = ModelConfig(hidden=32, layers=3, heads=2, mlp=64, conv=8, bigram_heads=1, offset_heads=((6, 3),))
+    tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir), grow_prepend=1,
+                     new_layer_lr_mult=10.0)
+    logs = []
+    _, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=logs.append)
+    assert meta["init_from"]["path"] == str(src_dir) and meta["steps"] >= 1
+    assert any("grown from" in s for s in logs) and any("write at number starts" in s for s in logs)
+    groups = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["opt"]["param_groups"]
+    assert [g["lr_mult"] for g in groups] == [1.0, 10.0]
+    assert groups[1]["lr"] == pytest.approx(10 * groups[0]["lr"])
