@@ -57,6 +57,8 @@ def main(argv=None) -> int:
                     help="with --init-from: how many of the new layers go before the source's layers")
     ap.add_argument("--new-layer-lr-mult", type=float, default=1.0,
                     help="with --init-from: lr multiplier of the new layers")
+    ap.add_argument("--freeze-new-mixer", action="store_true",
+                    help="with --init-from: train only the new layers' read-out (out_proj, gate, MLP)")
     ap.add_argument("--phases", choices=sorted(bb.PHASES), default=None,
                     help="length curriculum (default: grow with --init-from, else scratch)")
     ap.add_argument("--eval-only", action="store_true")
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
                         tokens_per_step=args.tokens_per_step, lr=args.lr, init_from=args.init_from,
                         grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
+                        freeze_new_mixer=args.freeze_new_mixer,
                         phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0

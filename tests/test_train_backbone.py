@@ -165,3 +165,17 @@ def test_train_grows_a_source_and_trains_new_layers_faster(tok, small_source, tm
     groups = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["opt"]["param_groups"]
     assert [g["lr_mult"] for g in groups] == [1.0, 10.0]
     assert groups[1]["lr"] == pytest.approx(10 * groups[0]["lr"])
+
+
+def test_freeze_new_mixer_keeps_the_built_circuit(tok, small_source, tmp_path):
+    """--freeze-new-mixer: the new layer's q/k/v/conv/write gate end as built; its read-out trains."""
+    from nbcore.training.backbone import TrainConfig, train
+    src_dir, _ = small_source
+    mc = ModelConfig(hidden=32, layers=3, heads=2, mlp=64, conv=8, bigram_heads=1, offset_heads=((6, 3),))
+    tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir), grow_prepend=1,
+                     new_layer_lr_mult=10.0, freeze_new_mixer=True)
+    model, _ = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=lambda s: None)
+    a = model.model.layers[0].linear_attn
+    w, kd, hd = _taps(model)
+    assert torch.equal(w[0], torch.eye(8)[1]) and torch.equal(w[kd], torch.eye(8)[4])  # q t-6, k t-3
+    assert not a.in_proj_qkv.weight.requires_grad and a.out_proj.weight.abs().sum() > 0

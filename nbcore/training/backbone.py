@@ -78,7 +78,8 @@ class TrainConfig:
     phases: list = field(default_factory=lambda: list(PHASES["scratch"]))
     init_from: str | None = None  # grow a shipped model (grow_from) instead of a fresh init
     grow_prepend: int = 0  # with init_from: new layers placed before the source's layers
-    new_layer_lr_mult: float = 1.0  # with init_from: lr multiplier of the grown model's new layers
+    new_layer_lr_mult: float = 1.0  # with init_from: lr multiplier of the new layers' read-out (see train)
+    freeze_new_mixer: bool = False  # with init_from: keep the new layers' q/k/v/conv/gates at their init
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -509,12 +510,21 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
                               number_start_ids(tok), heads)
         log(f"offset heads {heads} of layer 0 write at number starts (max beta elsewhere {leak:.2f})")
     model = model.to(tc.device)
-    # new layers (zero out_proj) at a higher lr: at the shared lr their read-out grew to a norm of
-    # 0.7 in 300 steps against ~20 for the trained layers, so their answer never won.
+    # the new layers' read-out (zero out_proj, output gate, MLP) at a higher lr: at the shared lr
+    # their out_proj grew to a norm of 0.7 in 300 steps against ~20 for the trained layers, so their
+    # answer never won. Not their q/k/v/conv/gates: at 10x those lost the offset head's retrieval
+    # (first value digit 8/10 -> 0/10 in 460 steps) before the read-out could use it.
     new_idx = set(range(tc.grow_prepend)) | set(range(tc.grow_prepend + _source_layers(tc.init_from),
                                                       mc.layers)) if tc.init_from else set()
-    is_new = lambda n: any(f".layers.{i}." in n for i in new_idx)  # noqa: E731
-    groups = [{"params": [p for n, p in model.named_parameters() if not is_new(n)], "lr_mult": 1.0},
+    readout = ("out_proj", "in_proj_z", "linear_attn.norm", "mlp.", "post_attention_layernorm")
+    is_new = lambda n: any(f".layers.{i}." in n for i in new_idx) and any(r in n for r in readout)  # noqa: E731
+    in_new = lambda n: any(f".layers.{i}." in n for i in new_idx)  # noqa: E731
+    if tc.freeze_new_mixer:  # the init's circuits (offset heads + their write gate) stay as built
+        for n, p in model.named_parameters():
+            if in_new(n) and not is_new(n):
+                p.requires_grad_(False)
+    groups = [{"params": [p for n, p in model.named_parameters() if not is_new(n) and p.requires_grad],
+               "lr_mult": 1.0},
               {"params": [p for n, p in model.named_parameters() if is_new(n)], "lr_mult": tc.new_layer_lr_mult}]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=(0.9, 0.95),
                             weight_decay=tc.weight_decay)
