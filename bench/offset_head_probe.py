@@ -1,0 +1,110 @@
+"""Probe the offset-induction head of a grown tiny GDN (layer 0, head 0; bench/results/tiny-gdn-growth.md).
+
+On niah_multikey_1 test examples at 1K tokens it measures, for that head alone:
+  match:     does q (answer position) . k (each needle's first value token) rank the asked key's
+             needle first among the 4 needles / among all positions?
+  retrieval: run the head's gated delta rule over the whole prompt (naive loop, fp32) and compare
+             its read-out at the answer position with the value vectors of the ten " <digit>"
+             tokens: is the nearest one the gold value's first digit? Once with the head's own
+             write gate beta, once with beta = 1 at number starts and 0 elsewhere (the ideal gate).
+
+    python bench/offset_head_probe.py init            # tiny-gdn-v2 grown as in the doc, step 0
+    python bench/offset_head_probe.py init-gated      # ... plus the fitted number-start write gate
+    python bench/offset_head_probe.py <model dir>     # a trained checkpoint (5 layers, conv >= 7)
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nbcore.tasks import ruler  # noqa: E402
+from nbcore.tasks.tokenizer import load_tokenizer  # noqa: E402
+from nbcore.training import backbone as bb  # noqa: E402
+
+
+def head_qkv(model, ids: list[int], head: int = 0):
+    """Layer-0 head ``head``: q, k [T, d] (l2-normed), v [T, d], beta [T], decay [T]."""
+    layer = model.model.layers[0]
+    a = layer.linear_attn
+    d, kd = a.head_k_dim, a.key_dim
+    with torch.no_grad():
+        h = layer.input_layernorm(model.get_input_embeddings()(torch.tensor([ids])))  # [1, T, H]
+        x = a.in_proj_qkv(h).transpose(1, 2)                                            # [1, C, T]
+        K = a.conv1d.weight.shape[-1]
+        x = F.silu(F.conv1d(F.pad(x, (K - 1, 0)), a.conv1d.weight, a.conv1d.bias, groups=x.shape[1]))
+        x = x[0].T                                                                       # [T, C]
+        sl = slice(head * d, (head + 1) * d)
+        q = F.normalize(x[:, sl], dim=-1)
+        k = F.normalize(x[:, kd + sl.start:kd + sl.stop], dim=-1)
+        v = x[:, 2 * kd + sl.start:2 * kd + sl.stop]
+        beta = a.in_proj_b(h)[0, :, head].sigmoid()
+        g = (-a.A_log.float().exp()[head] * F.softplus(a.in_proj_a(h)[0, :, head].float() + a.dt_bias[head])).exp()
+    return q, k, v, beta, g
+
+
+def delta_rule_readout(q, k, v, beta, g) -> torch.Tensor:
+    """Naive gated delta rule (S <- g S; S += beta (v - S k) k^T), read with q at the last step."""
+    S = torch.zeros(v.shape[1], k.shape[1])
+    for t in range(k.shape[0]):
+        S = S * g[t]
+        S = S + beta[t] * torch.outer(v[t] - S @ k[t], k[t])
+    return S @ q[-1]
+
+
+def main(argv=None) -> int:
+    arg = (argv or sys.argv[1:] or ["init"])[0]
+    torch.set_num_threads(1)
+    tok = load_tokenizer(ROOT / "models" / "tiny-gdn-v2")
+    if arg in ("init", "init-gated"):
+        torch.manual_seed(0)
+        mc = bb.ModelConfig(layers=5, conv=8, bigram_heads=2, offset_heads=((6, 3),))
+        model = bb.build_model(mc, tok)
+        bb.grow_from(model, ROOT / "models" / "tiny-gdn-v2", prepend=1)
+        if arg == "init-gated":
+            bb.fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
+                              bb.number_start_ids(tok), [0])
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(arg)
+    model.eval()
+    starts = bb.number_start_ids(tok)
+    digit_v = {}
+    for i in starts:  # value vector of each " <digit>" token, as the head computes it (conv lag 0)
+        _, _, v, _, _ = head_qkv(model, [i])
+        digit_v[tok.convert_ids_to_tokens(i).strip()] = v[0]
+    n, best_needle, best_all = 20, 0, 0
+    right = {"own beta": 0, "beta at number starts": 0}
+    for i in range(n):
+        ex = ruler.generate("niah_multikey_1", 1024, i, tok)
+        enc = tok(ex["context"] + ex["question"], add_special_tokens=False, return_offsets_mapping=True)
+        ids, offs = enc["input_ids"], enc["offset_mapping"]
+        q, k, v, beta, g = head_qkv(model, ids)
+        score = k @ q[-1]                                                               # [T]
+        needles = []
+        for m in re.finditer(r"for [\w-]+ is: (\d+)", ex["context"]):
+            pos = next(j for j, (a, b) in enumerate(offs) if a <= m.start(1) - 1 < b or a == m.start(1))
+            needles.append((m.group(1), pos))
+        gold = next(p for val, p in needles if val == ex["answers"][0])
+        best_needle += max(needles, key=lambda vp: score[vp[1]])[1] == gold
+        best_all += int((score > score[gold]).sum()) == 0
+        ideal = torch.tensor([1.0 if t in set(starts) else 0.0 for t in ids])
+        for name, b in (("own beta", beta), ("beta at number starts", ideal)):
+            o = delta_rule_readout(q, k, v, b, g)
+            sims = {dg: float(F.cosine_similarity(o, vv, dim=0)) for dg, vv in digit_v.items()}
+            right[name] += max(sims, key=sims.get) == ex["answers"][0][0]
+    print(f"{arg}: q.k ranks the asked key's needle first among the 4 needles {best_needle}/{n}, "
+          f"among all positions {best_all}/{n}")
+    for name, r in right.items():
+        print(f"{arg}: delta-rule read-out nearest to the gold first digit ({name}): {r}/{n}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
