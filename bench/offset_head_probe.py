@@ -7,9 +7,12 @@ On niah_multikey_1 test examples at 1K tokens it measures, for that head alone:
              its read-out at the answer position with the value vectors of the ten " <digit>"
              tokens: is the nearest one the gold value's first digit? Once with the head's own
              write gate beta, once with beta = 1 at number starts and 0 elsewhere (the ideal gate).
+             For a layer past the first (init-last) values are contextual: nearest of the 4
+             needles' stored value vectors instead (chance 5/20).
 
     python bench/offset_head_probe.py init            # tiny-gdn-v2 grown as in the doc, step 0
     python bench/offset_head_probe.py init-gated      # ... plus the fitted number-start write gate
+    python bench/offset_head_probe.py init-last       # the new layer appended last instead (gate fitted)
     python bench/offset_head_probe.py <model dir>     # a trained checkpoint (5 layers, conv >= 7)
 """
 from __future__ import annotations
@@ -29,13 +32,18 @@ from nbcore.tasks.tokenizer import load_tokenizer  # noqa: E402
 from nbcore.training import backbone as bb  # noqa: E402
 
 
-def head_qkv(model, ids: list[int], head: int = 0):
-    """Layer-0 head ``head``: q, k [T, d] (l2-normed), v [T, d], beta [T], decay [T]."""
-    layer = model.model.layers[0]
+def head_qkv(model, ids: list[int], head: int = 0, layer_idx: int = 0):
+    """Layer ``layer_idx``, head ``head``: q, k [T, d] (l2-normed), v [T, d], beta [T], decay [T]."""
+    layer = model.model.layers[layer_idx]
     a = layer.linear_attn
     d, kd = a.head_k_dim, a.key_dim
+    cap = {}
+    hook = layer.register_forward_pre_hook(
+        lambda mod, args, kw: cap.__setitem__("x", args[0] if args else kw["hidden_states"]), with_kwargs=True)
     with torch.no_grad():
-        h = layer.input_layernorm(model.get_input_embeddings()(torch.tensor([ids])))  # [1, T, H]
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+        hook.remove()
+        h = layer.input_layernorm(cap["x"])                                             # [1, T, H]
         x = a.in_proj_qkv(h).transpose(1, 2)                                            # [1, C, T]
         K = a.conv1d.weight.shape[-1]
         x = F.silu(F.conv1d(F.pad(x, (K - 1, 0)), a.conv1d.weight, a.conv1d.bias, groups=x.shape[1]))
@@ -46,7 +54,31 @@ def head_qkv(model, ids: list[int], head: int = 0):
         v = x[:, 2 * kd + sl.start:2 * kd + sl.stop]
         beta = a.in_proj_b(h)[0, :, head].sigmoid()
         g = (-a.A_log.float().exp()[head] * F.softplus(a.in_proj_a(h)[0, :, head].float() + a.dt_bias[head])).exp()
-    return q, k, v, beta, g
+    return q, k, v, beta, g, h[0]
+
+
+def fit_gate_on_states(model, layer_idx: int, tok, starts: set[int], n: int = 6) -> None:
+    """``fit_write_gate`` for a layer whose input is not the embedding: fit on the layer's normed
+    inputs over ``n`` train-split examples (number starts vs everything else)."""
+    xs, ys = [], []
+    for i in range(n):
+        ex = ruler.generate("niah_multikey_1", 1024, i, tok, split="train")
+        ids = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
+        xs.append(head_qkv(model, ids, layer_idx=layer_idx)[5])
+        ys += [1.0 if t in starts else 0.0 for t in ids]
+    x, y = torch.cat(xs), torch.tensor(ys)
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=300)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(x @ w, y, pos_weight=(len(y) - y.sum()) / y.sum()) + 1e-3 * w.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        model.model.layers[layer_idx].linear_attn.in_proj_b.weight[0] = w
 
 
 def delta_rule_readout(q, k, v, beta, g) -> torch.Tensor:
@@ -62,11 +94,17 @@ def main(argv=None) -> int:
     arg = (argv or sys.argv[1:] or ["init"])[0]
     torch.set_num_threads(1)
     tok = load_tokenizer(ROOT / "models" / "tiny-gdn-v2")
-    if arg in ("init", "init-gated"):
+    layer_idx = 0
+    starts = bb.number_start_ids(tok)
+    if arg in ("init", "init-gated", "init-last"):
         torch.manual_seed(0)
         mc = bb.ModelConfig(layers=5, conv=8, bigram_heads=2, offset_heads=((6, 3),))
         model = bb.build_model(mc, tok)
-        bb.grow_from(model, ROOT / "models" / "tiny-gdn-v2", prepend=1)
+        bb.grow_from(model, ROOT / "models" / "tiny-gdn-v2", prepend=0 if arg == "init-last" else 1)
+        if arg == "init-last":
+            layer_idx = 4
+            model.eval()
+            fit_gate_on_states(model, layer_idx, tok, set(starts))
         if arg == "init-gated":
             bb.fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
                               bb.number_start_ids(tok), [0])
@@ -74,10 +112,9 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(arg)
     model.eval()
-    starts = bb.number_start_ids(tok)
     digit_v = {}
     for i in starts:  # value vector of each " <digit>" token, as the head computes it (conv lag 0)
-        _, _, v, _, _ = head_qkv(model, [i])
+        v = head_qkv(model, [i], layer_idx=layer_idx)[2]
         digit_v[tok.convert_ids_to_tokens(i).strip()] = v[0]
     n, best_needle, best_all = 20, 0, 0
     right = {"own beta": 0, "beta at number starts": 0}
@@ -85,7 +122,7 @@ def main(argv=None) -> int:
         ex = ruler.generate("niah_multikey_1", 1024, i, tok)
         enc = tok(ex["context"] + ex["question"], add_special_tokens=False, return_offsets_mapping=True)
         ids, offs = enc["input_ids"], enc["offset_mapping"]
-        q, k, v, beta, g = head_qkv(model, ids)
+        q, k, v, beta, g, _ = head_qkv(model, ids, layer_idx=layer_idx)
         score = k @ q[-1]                                                               # [T]
         needles = []
         for m in re.finditer(r"for [\w-]+ is: (\d+)", ex["context"]):
@@ -97,8 +134,12 @@ def main(argv=None) -> int:
         ideal = torch.tensor([1.0 if t in set(starts) else 0.0 for t in ids])
         for name, b in (("own beta", beta), ("beta at number starts", ideal)):
             o = delta_rule_readout(q, k, v, b, g)
-            sims = {dg: float(F.cosine_similarity(o, vv, dim=0)) for dg, vv in digit_v.items()}
-            right[name] += max(sims, key=sims.get) == ex["answers"][0][0]
+            if layer_idx == 0:  # values are token embeddings: nearest digit
+                sims = {dg: float(F.cosine_similarity(o, vv, dim=0)) for dg, vv in digit_v.items()}
+                right[name] += max(sims, key=sims.get) == ex["answers"][0][0]
+            else:  # contextual values: nearest of the 4 needles' stored value vectors
+                sims = {val: float(F.cosine_similarity(o, v[p], dim=0)) for val, p in needles}
+                right[name] += max(sims, key=sims.get) == ex["answers"][0]
     print(f"{arg}: q.k ranks the asked key's needle first among the 4 needles {best_needle}/{n}, "
           f"among all positions {best_all}/{n}")
     for name, r in right.items():
