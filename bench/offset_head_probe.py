@@ -14,6 +14,8 @@ On niah_multikey_1 test examples at 1K tokens it measures, for that head alone:
     python bench/offset_head_probe.py init-gated      # ... plus the fitted number-start write gate
     python bench/offset_head_probe.py init-last       # the new layer appended last instead (gate fitted)
     python bench/offset_head_probe.py <model dir>     # a trained checkpoint (5 layers, conv >= 7)
+    python bench/offset_head_probe.py <model dir> --ablate   # plain multikey at 1K (N=30) with the
+                                      # offset head's / the whole new layer's read-out zeroed
 """
 from __future__ import annotations
 
@@ -90,9 +92,30 @@ def delta_rule_readout(q, k, v, beta, g) -> torch.Tensor:
     return S @ q[-1]
 
 
+def ablate(model_dir: str, n: int = 30) -> None:
+    """Greedy niah_multikey_1 at 1K with layer 0's offset head (head 0) or whole read-out zeroed."""
+    from transformers import AutoModelForCausalLM
+    tok = load_tokenizer(model_dir)
+    for name in ("none", "offset head", "whole new layer"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        layer = model.model.layers[0]
+        with torch.no_grad():
+            if name == "offset head":
+                layer.linear_attn.out_proj.weight[:, :layer.linear_attn.head_v_dim] = 0
+            elif name == "whole new layer":
+                layer.linear_attn.out_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        score = bb.evaluate(model, tok, ["niah_multikey_1"], 1024, n, seed=0)["niah_multikey_1"]
+        print(f"{model_dir}: ablated {name}: niah_multikey_1 at 1K = {score:.1f} (N={n})")
+
+
 def main(argv=None) -> int:
-    arg = (argv or sys.argv[1:] or ["init"])[0]
+    args = argv or sys.argv[1:] or ["init"]
+    arg = args[0]
     torch.set_num_threads(1)
+    if "--ablate" in args:
+        ablate(arg)
+        return 0
     tok = load_tokenizer(ROOT / "models" / "tiny-gdn-v2")
     layer_idx = 0
     starts = bb.number_start_ids(tok)

@@ -95,6 +95,15 @@ PHASES = {
     "grow": [
         (256, 2048, NIAH_TRAIN_TASKS + ("niah_multikey_1", "niah_single_3"), 2.0, 1.0),
     ],
+    # multi-key only: does a grown model learn to use a built key-binding head at all?
+    "bind": [
+        (256, 1024, ("niah_multikey_1",), 2.0, 1.0),
+    ],
+    # ... then the "grow" mix for the second half, so the other tasks come back
+    "bind-grow": [
+        (256, 1024, ("niah_multikey_1",), 2.0, 0.5),
+        (256, 2048, NIAH_TRAIN_TASKS + ("niah_multikey_1", "niah_single_3"), 2.0, 1.0),
+    ],
 }
 
 
