@@ -156,8 +156,9 @@ def test_train_grows_a_source_and_trains_new_layers_faster(tok, small_source, tm
     from nbcore.training.backbone import TrainConfig, train
     src_dir, _ = small_source
     mc = ModelConfig(hidden=32, layers=3, heads=2, mlp=64, conv=8, bigram_heads=1, offset_heads=((6, 3),))
+    from nbcore.training.backbone import PHASES
     tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir), grow_prepend=1,
-                     new_layer_lr_mult=10.0)
+                     new_layer_lr_mult=10.0, phases=list(PHASES["grow"]))
     logs = []
     _, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=logs.append)
     assert meta["init_from"]["path"] == str(src_dir) and meta["steps"] >= 1
@@ -165,6 +166,11 @@ def test_train_grows_a_source_and_trains_new_layers_faster(tok, small_source, tm
     groups = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["opt"]["param_groups"]
     assert [g["lr_mult"] for g in groups] == [1.0, 10.0]
     assert groups[1]["lr"] == pytest.approx(10 * groups[0]["lr"])
+    from nbcore.training.backbone import write_readme
+    write_readme(tmp_path / "model", meta, [])
+    text = (tmp_path / "model" / "README.md").read_text()
+    assert f"--init-from {src_dir}" in text and "--offset-heads 6:3" in text and "--prepend-layers 1" in text
+    assert "--phases grow" in text and "grown from" in text and "1 new layer(s) placed first" in text
 
 
 def test_freeze_new_mixer_keeps_the_built_circuit(tok, small_source, tmp_path):

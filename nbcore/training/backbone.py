@@ -641,7 +641,33 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
              f" --layers {mc['layers']} --hidden {mc['hidden']} --heads {mc['heads']} --mlp {mc['mlp']}"
              f" --tokens-per-step {tr['tokens_per_step']} --lr {tr['lr']:g} --threads {tr['threads']}"
              + (f" --bigram-heads {bigram}" if bigram else ""))
-    text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone trained from scratch on CPU
+    grown_text, title = "", "trained from scratch on CPU"
+    src = meta.get("init_from")
+    if src:  # a grown model (grow_from): its own flags, and where it started
+        phases_name = next((k for k, v in PHASES.items()
+                            if [[p[0], p[1], list(p[2]), p[3], p[4]] for p in v] == meta["phases"]), "grow")
+        offsets = " ".join(f"{a}:{b}" for a, b in mc.get("offset_heads", ()))
+        flags += (f" --conv {mc['conv']} --init-from {src['path']} --phases {phases_name}"
+                  + (f" --window-heads {mc['window_heads']}" if mc.get("window_heads") else "")
+                  + (f" --offset-heads {offsets}" if offsets else "")
+                  + (f" --prepend-layers {tr['grow_prepend']}" if tr.get("grow_prepend") else "")
+                  + (f" --new-layer-lr-mult {tr['new_layer_lr_mult']:g}" if tr.get("new_layer_lr_mult", 1) != 1 else "")
+                  + (" --freeze-new-mixer" if tr.get("freeze_new_mixer") else ""))
+        title = f"grown from {Path(src['path']).name} and trained on CPU"
+        src_layers = (src.get("model") or {}).get("layers") or _source_layers(src["path"])
+        src_conv = (src.get("model") or {}).get("conv", "?")
+        trained = f" ({src['steps']} steps, {src['tokens']:,} tokens)" if src.get("steps") else ""
+        grown_text = (f"\n- Grown from `{src['path']}`{trained} by "
+                      f"`grow_from`: {mc['layers'] - src_layers} new layer(s)"
+                      + (" placed first" if tr.get("grow_prepend") else " placed last")
+                      + f", short conv {src_conv} -> {mc['conv']} (old taps kept at the newest "
+                      f"positions); at step 0 the grown model's logits equal the source's exactly. "
+                      + (f"The new layer's offset heads {offsets} (q reads t-a, k reads t-b) write only at "
+                         f"number starts (a fitted write gate); " if offsets else "")
+                      + ("its q/k/v/conv/gates stay frozen; " if tr.get("freeze_new_mixer") else "")
+                      + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr. Steps, tokens and "
+                      f"wall time below are this run's only.")
+    text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone {title}
 
 Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},
 conv {mc['conv']}, tied embeddings, {meta['params']:,} parameters, {size / 2**20:.1f} MiB on disk
@@ -657,7 +683,7 @@ RULER haystack; it is not a language model of any quality.
   the hidden state (key = query), the key's short conv reads token t-1 while query and value read
   token t, and the output projection starts as identity. A small random q=k copy (std 0.02) was
   wiped out by Adam's first steps and stayed at chance; the O(1) identity survives and the answer
-  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.{bigram_text}
+  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.{bigram_text}{grown_text}
 - Data, generated on the fly (`nbcore/tasks/ruler.py`, train-split keys, fresh random values):
   the six NIAH tasks of the NoteBank paper over noise and prose haystacks, plus
   {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:
