@@ -68,17 +68,7 @@ def fit_gate_on_states(model, layer_idx: int, tok, starts: set[int], n: int = 6)
         ids = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
         xs.append(head_qkv(model, ids, layer_idx=layer_idx)[5])
         ys += [1.0 if t in starts else 0.0 for t in ids]
-    x, y = torch.cat(xs), torch.tensor(ys)
-    w = torch.zeros(x.shape[1], requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=300)
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(x @ w, y, pos_weight=(len(y) - y.sum()) / y.sum()) + 1e-3 * w.pow(2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    w = bb.fit_gate_weights(torch.cat(xs), torch.tensor(ys))
     with torch.no_grad():
         model.model.layers[layer_idx].linear_attn.in_proj_b.weight[0] = w
 

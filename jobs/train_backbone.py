@@ -2,9 +2,11 @@
 
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn --minutes 60 --seed 0
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn --eval-only --length 1024 --n 50
-    # grow a shipped model (deeper, wider conv; same logits at step 0) and keep training it:
+    # grow a shipped model (deeper, wider conv; same logits at step 0) and keep training it
+    # (the models/tiny-gdn-v3 recipe):
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v3 --init-from models/tiny-gdn-v2 \
-        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --new-layer-lr-mult 10 --phases grow --lr 5e-4 --minutes 60
+        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --new-layer-lr-mult 10 \
+        --freeze-new-mixer --phases bind-grow --lr 5e-4 --minutes 45 --threads 1
 """
 from __future__ import annotations
 

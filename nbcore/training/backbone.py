@@ -99,12 +99,14 @@ PHASES = {
     "bind": [
         (256, 1024, ("niah_multikey_1",), 2.0, 1.0),
     ],
-    # ... then the "grow" mix for the second half, so the other tasks come back
-    "bind-grow": [
-        (256, 1024, ("niah_multikey_1",), 2.0, 0.5),
-        (256, 2048, NIAH_TRAIN_TASKS + ("niah_multikey_1", "niah_single_3"), 2.0, 1.0),
-    ],
 }
+# ... then the "grow" mix for the second half, so the other tasks come back
+PHASES["bind-grow"] = [PHASES["bind"][0][:4] + (0.5,), PHASES["grow"][0]]
+
+
+def phases_json(phases) -> list:
+    """Phases as stored in train_meta.json (tuples -> lists)."""
+    return [[p[0], p[1], list(p[2]), p[3], p[4]] for p in phases]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -335,6 +337,15 @@ def fit_write_gate(layer, embeddings: torch.Tensor, write_ids: list[int], heads:
         x = layer.input_layernorm(embeddings)                    # [V, hidden]
     y = torch.zeros(x.shape[0])
     y[write_ids] = 1.0
+    w = fit_gate_weights(x, y, l2)
+    with torch.no_grad():
+        for h in heads:
+            layer.linear_attn.in_proj_b.weight[h] = w
+        return float((x @ w).sigmoid()[y == 0].max())
+
+
+def fit_gate_weights(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-3) -> torch.Tensor:
+    """Bias-free logistic regression x [N, H] -> y [N] in {0, 1}, classes balanced; returns w [H]."""
     w = torch.zeros(x.shape[1], requires_grad=True)
     opt = torch.optim.LBFGS([w], max_iter=300)
     pos_weight = (len(y) - y.sum()) / y.sum()
@@ -346,10 +357,7 @@ def fit_write_gate(layer, embeddings: torch.Tensor, write_ids: list[int], heads:
         return loss
 
     opt.step(closure)
-    with torch.no_grad():
-        for h in heads:
-            layer.linear_attn.in_proj_b.weight[h] = w
-        return float((x @ w).sigmoid()[y == 0].max())
+    return w.detach()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -526,15 +534,16 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     new_idx = set(range(tc.grow_prepend)) | set(range(tc.grow_prepend + _source_layers(tc.init_from),
                                                       mc.layers)) if tc.init_from else set()
     readout = ("out_proj", "in_proj_z", "linear_attn.norm", "mlp.", "post_attention_layernorm")
-    is_new = lambda n: any(f".layers.{i}." in n for i in new_idx) and any(r in n for r in readout)  # noqa: E731
     in_new = lambda n: any(f".layers.{i}." in n for i in new_idx)  # noqa: E731
+    new_readout = lambda n: in_new(n) and any(r in n for r in readout)  # noqa: E731
     if tc.freeze_new_mixer:  # the init's circuits (offset heads + their write gate) stay as built
         for n, p in model.named_parameters():
-            if in_new(n) and not is_new(n):
+            if in_new(n) and not new_readout(n):
                 p.requires_grad_(False)
-    groups = [{"params": [p for n, p in model.named_parameters() if not is_new(n) and p.requires_grad],
+    groups = [{"params": [p for n, p in model.named_parameters() if not new_readout(n) and p.requires_grad],
                "lr_mult": 1.0},
-              {"params": [p for n, p in model.named_parameters() if is_new(n)], "lr_mult": tc.new_layer_lr_mult}]
+              {"params": [p for n, p in model.named_parameters() if new_readout(n)],
+               "lr_mult": tc.new_layer_lr_mult}]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=(0.9, 0.95),
                             weight_decay=tc.weight_decay)
     step, elapsed, tokens, phase = 0, 0.0, 0, 0
@@ -558,7 +567,7 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     def meta():
         return {"model": asdict(mc), "train": {k: v for k, v in asdict(tc).items() if k not in ("phases", "device")},
                 "device": tc.device,
-                "phases": [[p[0], p[1], list(p[2]), p[3], p[4]] for p in tc.phases],
+                "phases": phases_json(tc.phases),
                 "phase_log": phase_log,
                 "params": n_params, "steps": step, "tokens": tokens,
                 **({"init_from": _source_meta(tc.init_from)} if tc.init_from else {}),
@@ -644,8 +653,7 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
     grown_text, title = "", "trained from scratch on CPU"
     src = meta.get("init_from")
     if src:  # a grown model (grow_from): its own flags, and where it started
-        phases_name = next((k for k, v in PHASES.items()
-                            if [[p[0], p[1], list(p[2]), p[3], p[4]] for p in v] == meta["phases"]), "grow")
+        phases_name = next((k for k, v in PHASES.items() if phases_json(v) == meta["phases"]), "grow")
         offsets = " ".join(f"{a}:{b}" for a, b in mc.get("offset_heads", ()))
         flags += (f" --conv {mc['conv']} --init-from {src['path']} --phases {phases_name}"
                   + (f" --window-heads {mc['window_heads']}" if mc.get("window_heads") else "")
