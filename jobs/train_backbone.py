@@ -61,6 +61,8 @@ def main(argv=None) -> int:
                     help="with --init-from: lr multiplier of the new layers")
     ap.add_argument("--freeze-new-mixer", action="store_true",
                     help="with --init-from: train only the new layers' read-out (out_proj, gate, MLP)")
+    ap.add_argument("--freeze-mixer-layers", type=int, nargs="*", default=[],
+                    help="layers whose q/k/v/conv/gates stay as loaded (e.g. 0: a grown model's built layer)")
     ap.add_argument("--phases", choices=sorted(bb.PHASES), default=None,
                     help="length curriculum (default: grow with --init-from, else scratch)")
     ap.add_argument("--eval-only", action="store_true")
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
                         tokens_per_step=args.tokens_per_step, lr=args.lr, init_from=args.init_from,
                         grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
                         freeze_new_mixer=args.freeze_new_mixer,
+                        freeze_mixer_layers=tuple(args.freeze_mixer_layers),
                         phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0

@@ -88,6 +88,8 @@ class EvalJobConfig(BackboneSweepConfig):
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0
     report_only: bool = False                       # rebuild results/report from finished cells, run nothing
+    only_backbones: list[str] = field(default_factory=list)   # run just these entries (report: all cells)
+    only_lengths: list[str] = field(default_factory=list)     # run just these lengths, e.g. [4K, 64K]
 
     def validate(self):
         from nbcore.evals.ruler_eval import method_config
@@ -111,6 +113,13 @@ class EvalJobConfig(BackboneSweepConfig):
             for x in table:
                 if parse_length(x) not in known:
                     raise ConfigError(f"{label}: length {x!r} is not in lengths {self.lengths}")
+        unknown = set(self.only_backbones) - {b.name for b in self.backbones}
+        if unknown:
+            raise ConfigError(f"only_backbones: no entry named {sorted(unknown)} "
+                              f"(entries: {[b.name for b in self.backbones]})")
+        bad = {parse_length(x) for x in self.only_lengths} - known
+        if bad:
+            raise ConfigError(f"only_lengths: {sorted(bad)} not in lengths {self.lengths}")
         for b in self.backbones:                   # an entry that plans no cell is a config mistake
             if not any(self.methods_at(b, L) for L in self.lengths_for(b)):
                 raise ConfigError(f"backbones[{b.name}]: no method left at any of its lengths "
@@ -203,7 +212,10 @@ def run_cell(cell: dict) -> dict:
 def plan_cells(cfg: EvalJobConfig) -> list[dict]:
     cells = []
     threads = max(1, int(cfg.num_cpus_per_cell))
+    only_n = {parse_length(x) for x in cfg.only_lengths}
     for b in cfg.backbones:
+        if cfg.only_backbones and b.name not in cfg.only_backbones:
+            continue
         model = dataclasses.asdict(b.model)
         if model.get("path") and "://" not in model["path"] and os.path.exists(model["path"]):
             model["path"] = os.path.abspath(model["path"])   # workers may run elsewhere
@@ -213,7 +225,7 @@ def plan_cells(cfg: EvalJobConfig) -> list[dict]:
                 for L in cfg.lengths_for(b):
                     n = parse_length(L)
                     methods = cfg.methods_at(b, L)
-                    if not methods:
+                    if not methods or (only_n and n not in only_n):
                         continue
                     for i in range(cfg.examples_at(L, b)):
                         cells.append(dict(backbone=b.name, budget=budget.name, model=model,
@@ -234,8 +246,9 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
     missing = len(todo)
     if cfg.report_only:
         todo = []
-    # Longest first: better packing, and the slow 1M cells start early.
-    todo.sort(key=lambda c: -c["length"])
+    # Longest first: better packing, and the slow 1M cells start early. Example-major within a
+    # length: a run stopped part-way has whole examples of every task (six-task means exist).
+    todo.sort(key=lambda c: (-c["length"], c["index"]))
     results = run_all(run_cell, todo, cfg.num_cpus_per_cell, cfg.num_gpus_per_cell, progress=cfg.progress)
     failed = [r for r in results if r["error"]]
 

@@ -97,6 +97,25 @@ def test_plan_per_length_counts_methods_and_report_names():
                                           "n_examples_by_length={64K: 2}"]).validate()
 
 
+def test_only_backbones_plans_just_those_entries():
+    base = ["backbones=[{name: a, model: {path: m}}, {name: b, model: {path: m}}]",
+            "tasks=[niah_single_1]", "lengths=[4K]", "n_examples=2", "methods=[plain]"]
+    cells = plan_cells(load_config(EvalJobConfig, None, base + ["only_backbones=[b]"]).validate())
+    assert {c["backbone"] for c in cells} == {"b"} and len(cells) == 2
+    assert len(plan_cells(load_config(EvalJobConfig, None, base).validate())) == 4
+    with pytest.raises(ConfigError, match="only_backbones: no entry named"):
+        load_config(EvalJobConfig, None, base + ["only_backbones=[c]"]).validate()
+
+
+def test_only_lengths_plans_a_slice_of_the_lengths():
+    base = ["backbones=[{name: a, model: {path: m}, n_examples_by_length: {1M: 1}}]",
+            "tasks=[niah_single_1]", "lengths=[4K, 16K, 1M]", "n_examples=2", "methods=[plain]"]
+    cells = plan_cells(load_config(EvalJobConfig, None, base + ["only_lengths=[16K, 1M]"]).validate())
+    assert sorted((c["length"], c["index"]) for c in cells) == [(16384, 0), (16384, 1), (1 << 20, 0)]
+    with pytest.raises(ConfigError, match="only_lengths"):
+        load_config(EvalJobConfig, None, base + ["only_lengths=[64K]"]).validate()
+
+
 def test_run_cell_reports_under_renamed_backbone_and_methods(tmp_path):
     from nbcore.config import NoteBankConfig
     from pipeline.evaluate import run_cell

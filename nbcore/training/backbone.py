@@ -80,6 +80,7 @@ class TrainConfig:
     grow_prepend: int = 0  # with init_from: new layers placed before the source's layers
     new_layer_lr_mult: float = 1.0  # with init_from: lr multiplier of the new layers' read-out (see train)
     freeze_new_mixer: bool = False  # with init_from: keep the new layers' q/k/v/conv/gates at their init
+    freeze_mixer_layers: tuple = ()  # keep these layers' q/k/v/conv/gates as loaded (a built circuit)
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -102,6 +103,11 @@ PHASES = {
 }
 # ... then the "grow" mix for the second half, so the other tasks come back
 PHASES["bind-grow"] = [PHASES["bind"][0][:4] + (0.5,), PHASES["grow"][0]]
+# continue a model that misses only uuid copies (one wrong BPE piece in ~30 fails the example):
+# uuids are 5 of 11 NIAH draws, multi-key stays in so the binding is not forgotten
+PHASES["uuid"] = [
+    (256, 2048, NIAH_TRAIN_TASKS + ("niah_single_3",) * 4 + ("niah_multikey_1",), 2.0, 1.0),
+]
 
 
 def phases_json(phases) -> list:
@@ -497,6 +503,13 @@ def _source_layers(src_dir: str) -> int:
     return cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"]
 
 
+def _source_conv(src_dir: str):
+    """Short-conv kernel size from an HF config (GDN or Mamba-2 naming); "?" if absent."""
+    cfg = json.loads((Path(src_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return cfg.get("linear_conv_kernel_dim") or cfg.get("conv_kernel") or "?"
+
+
 def _source_meta(src_dir: str) -> dict:
     """What a grown model started from: the source's path and training totals (its train_meta)."""
     p = Path(src_dir) / "train_meta.json"
@@ -539,6 +552,12 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     if tc.freeze_new_mixer:  # the init's circuits (offset heads + their write gate) stay as built
         for n, p in model.named_parameters():
             if in_new(n) and not new_readout(n):
+                p.requires_grad_(False)
+    for i in tc.freeze_mixer_layers:  # e.g. a grown model's built layer 0, when it is trained further
+        if not 0 <= i < mc.layers:
+            raise ValueError(f"freeze_mixer_layers: layer {i} out of range for {mc.layers} layers")
+        for n, p in model.named_parameters():
+            if f".layers.{i}." in n and not any(r in n for r in readout):
                 p.requires_grad_(False)
     groups = [{"params": [p for n, p in model.named_parameters() if not new_readout(n) and p.requires_grad],
                "lr_mult": 1.0},
@@ -660,21 +679,32 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                   + (f" --offset-heads {offsets}" if offsets else "")
                   + (f" --prepend-layers {tr['grow_prepend']}" if tr.get("grow_prepend") else "")
                   + (f" --new-layer-lr-mult {tr['new_layer_lr_mult']:g}" if tr.get("new_layer_lr_mult", 1) != 1 else "")
-                  + (" --freeze-new-mixer" if tr.get("freeze_new_mixer") else ""))
+                  + (" --freeze-new-mixer" if tr.get("freeze_new_mixer") else "")
+                  + (" --freeze-mixer-layers " + " ".join(map(str, tr["freeze_mixer_layers"]))
+                     if tr.get("freeze_mixer_layers") else ""))
         title = f"grown from {Path(src['path']).name} and trained on CPU"
         src_layers = (src.get("model") or {}).get("layers") or _source_layers(src["path"])
-        src_conv = (src.get("model") or {}).get("conv", "?")
+        src_conv = (src.get("model") or {}).get("conv") or _source_conv(src["path"])
         trained = f" ({src['steps']} steps, {src['tokens']:,} tokens)" if src.get("steps") else ""
-        grown_text = (f"\n- Grown from `{src['path']}`{trained} by "
-                      f"`grow_from`: {mc['layers'] - src_layers} new layer(s)"
-                      + (" placed first" if tr.get("grow_prepend") else " placed last")
-                      + f", short conv {src_conv} -> {mc['conv']} (old taps kept at the newest "
-                      f"positions); at step 0 the grown model's logits equal the source's exactly. "
-                      + (f"The new layer's offset heads {offsets} (q reads t-a, k reads t-b) write only at "
-                         f"number starts (a fitted write gate); " if offsets else "")
-                      + ("its q/k/v/conv/gates stay frozen; " if tr.get("freeze_new_mixer") else "")
-                      + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr. Steps, tokens and "
-                      f"wall time below are this run's only.")
+        frozen = tr.get("freeze_mixer_layers") or ()
+        frozen_text = (f" The q/k/v/conv/gates of layer(s) {', '.join(map(str, frozen))} stay as loaded "
+                       f"(only their read-out trains)." if frozen else "")
+        if mc["layers"] == src_layers and str(src_conv) == str(mc["conv"]):  # same shapes: a continuation
+            title = f"continued from {Path(src['path']).name} on CPU"
+            grown_text = (f"\n- Continued from `{src['path']}`{trained} (same shapes: every tensor copied, "
+                          f"so the run starts from exactly that model; see its README for how it was "
+                          f"built).{frozen_text} Steps, tokens and wall time below are this run's only.")
+        else:
+            grown_text = (f"\n- Grown from `{src['path']}`{trained} by "
+                          f"`grow_from`: {mc['layers'] - src_layers} new layer(s)"
+                          + (" placed first" if tr.get("grow_prepend") else " placed last")
+                          + f", short conv {src_conv} -> {mc['conv']} (old taps kept at the newest "
+                          f"positions); at step 0 the grown model's logits equal the source's exactly. "
+                          + (f"The new layer's offset heads {offsets} (q reads t-a, k reads t-b) write only at "
+                             f"number starts (a fitted write gate); " if offsets else "")
+                          + ("its q/k/v/conv/gates stay frozen; " if tr.get("freeze_new_mixer") else "")
+                          + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr.{frozen_text} "
+                          f"Steps, tokens and wall time below are this run's only.")
     text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone {title}
 
 Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},
