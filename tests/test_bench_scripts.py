@@ -42,3 +42,26 @@ def test_router_dev_small():
     assert set(res["retrieved"]) == {"embmax", "embmax_centered", "bm25"}
     assert all(0.0 <= v <= 1.0 for d in res["retrieved"].values() for v in d.values())
     assert set(res["ratio_to_bm25"]) == {"embmax", "embmax_centered"}
+
+
+def test_uuid_copy_errors_repeated_kgram():
+    from bench.uuid_copy_errors import repeated_before
+    gold = [1, 2, 3, 1, 2, 4, 1]
+    assert repeated_before(gold, 5, 2)            # (1, 2) before position 5 also starts at 0
+    assert not repeated_before(gold, 5, 3)        # (3, 1, 2) occurs only there
+    assert repeated_before(gold, 4, 1) and not repeated_before(gold, 3, 1)
+    assert not repeated_before(gold, 1, 2)        # too early for a 2-gram
+
+
+def test_uuid_copy_errors_runs_on_a_tiny_model(tmp_path):
+    """End to end on a random tiny GDN with the project tokenizer: every field is there."""
+    import torch
+    from nbcore.tasks.tokenizer import build_tokenizer
+    from nbcore.training.backbone import ModelConfig, build_model
+    from bench.uuid_copy_errors import analyse
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(hidden=32, layers=1, heads=2, mlp=32), tok).eval()
+    r = analyse(m, tok, 256, 2)
+    assert r["n"] == 2 and 0 <= r["score"] <= 100 and r["failed"] == 2 - round(r["score"] / 50)
+    assert 0 < r["rep1_baseline"] <= 1 and r["rep3_baseline"] <= r["rep1_baseline"]
