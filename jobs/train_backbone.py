@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-step", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bigram-heads", type=int, default=0,
-                    help="GDN heads per layer with the bigram induction init (0: all unigram)")
+                    help="GDN heads per layer with the bigram induction init (0: all unigram); Mamba-2: "
+                         "that fraction (of --heads) of the shared B/C state dims")
     ap.add_argument("--window-heads", type=int, default=0,
                     help="GDN heads per layer whose q/k convs read a bag of the last --conv tokens")
     ap.add_argument("--offset-heads", nargs="*", default=[], metavar="QLAG:KLAG",

@@ -31,6 +31,24 @@ def test_induction_taps(tok, bigram):
     assert torch.equal(w[2 * kd], lag(0))
 
 
+@pytest.mark.parametrize("bigram", [0, 2], ids=["unigram", "bigram-half"])
+def test_mamba2_induction_taps(tok, bigram):
+    """Mamba-2: x and C read t, B reads t-1; with --bigram-heads 2 of 4 the last half of the B/C
+    state dims read C = t, t-1 and B = t-1, t-2 (one B/C group is shared by all heads)."""
+    m = build_model(ModelConfig(family="mamba2", heads=4, bigram_heads=bigram, state=16, layers=1), tok)
+    mix = m.backbone.layers[0].mixer
+    w, inter, st = mix.conv1d.weight[:, 0], mix.intermediate_size, mix.ssm_state_size
+    K = w.shape[1]
+    lag = lambda *ls: torch.tensor([1.0 if K - 1 - j in ls else 0.0 for j in range(K)])  # noqa: E731
+    uni = st - bigram * st // 4
+    assert torch.equal(w[0], lag(0)) and torch.equal(w[inter - 1], lag(0))      # x
+    for c in range(st):
+        assert torch.equal(w[inter + c], lag(1, 2) if c >= uni else lag(1)), c            # B
+        assert torch.equal(w[inter + st + c], lag(0, 1) if c >= uni else lag(0)), c       # C
+    with pytest.raises(ValueError, match="bigram_heads"):
+        build_model(ModelConfig(family="mamba2", heads=4, bigram_heads=5, layers=1), tok)
+
+
 def test_bigram_heads_out_of_range(tok):
     with pytest.raises(ValueError, match="bigram_heads"):
         build_model(ModelConfig(heads=4, bigram_heads=5), tok)

@@ -52,7 +52,8 @@ class ModelConfig:
     conv: int = 4
     emb_std: float = 0.02  # tied embeddings std
     identity_init: bool = True  # q/k/v/out projections start as identity slices (see _init_gdn)
-    bigram_heads: int = 0  # GDN heads per layer whose induction init matches (t-1, t) bigrams (see _init_gdn)
+    bigram_heads: int = 0  # GDN heads per layer whose induction init matches (t-1, t) bigrams (see _init_gdn;
+    # Mamba-2: bigram_heads/heads of the shared B/C state dims, see _init_mamba2)
     window_heads: int = 0  # GDN heads per layer whose q/k convs read a bag of the last `conv` tokens (see _init_gdn)
     offset_heads: tuple = ()  # (q lag, k lag) per GDN head after the window heads: offset induction (see _init_gdn)
 
@@ -144,8 +145,10 @@ def build_model(mc: ModelConfig, tok):
             state_size=mc.state, conv_kernel=mc.conv, chunk_size=128, tie_word_embeddings=True,
             use_cache=False, **ids)
         model = Mamba2ForCausalLM(cfg)
+        if mc.bigram_heads > mc.heads:
+            raise ValueError(f"bigram_heads={mc.bigram_heads} > heads={mc.heads}")
         for layer in model.backbone.layers:
-            _init_mamba2(layer.mixer, mc.identity_init)
+            _init_mamba2(layer.mixer, mc.identity_init, bigram_frac=mc.bigram_heads / mc.heads)
     else:
         raise ValueError(mc.family)
     with torch.no_grad():
@@ -257,8 +260,13 @@ def _init_gdn(m, identity: bool = True, bigram_heads: int = 0, window_heads: int
 
 
 @torch.no_grad()
-def _init_mamba2(m, identity: bool = True) -> None:
-    """Same recipe for Mamba-2: x (value) and C (query) read token t, B (key) = C reads t-1."""
+def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0) -> None:
+    """Same recipe for Mamba-2: x (value) and C (query) read token t, B (key) = C reads t-1.
+
+    ``bigram_frac``: Mamba-2 has one B/C group shared by every head, so the bigram match of
+    ``_init_gdn`` goes to state dims, not heads: the last ``bigram_frac`` of the B/C dims read
+    C = x_t + x_{t-1}, B = x_{t-1} + x_{t-2}; the score C.B then adds a bigram match to the
+    unigram one (``--bigram-heads k`` of ``--heads h`` gives k/h)."""
     inter, st, hid = m.intermediate_size, m.n_groups * m.ssm_state_size, m.hidden_size
     w = m.in_proj.weight  # rows: gate(inter) | x(inter) | B(st) | C(st) | dt(heads)
     xb = inter  # start of the conv block
@@ -269,8 +277,12 @@ def _init_mamba2(m, identity: bool = True) -> None:
         m.out_proj.weight.copy_(_eye(inter, hid).T * (hid / inter))
     w[b0:b0 + st] = w[c0:c0 + st]  # B (key) = C (query)
     _conv_taps(m.conv1d, slice(0, inter), 0)  # x (value) reads t
-    _conv_taps(m.conv1d, slice(inter, inter + st), 1)  # B reads t-1
-    _conv_taps(m.conv1d, slice(inter + st, inter + 2 * st), 0)  # C reads t
+    uni = st - int(round(bigram_frac * st))  # B/C dims [uni, st) get the bigram taps
+    _conv_taps(m.conv1d, slice(inter, inter + uni), 1)  # B reads t-1
+    _conv_taps(m.conv1d, slice(inter + st, inter + st + uni), 0)  # C reads t
+    if uni < st:
+        _conv_taps(m.conv1d, slice(inter + uni, inter + st), 1, also=2)  # B reads t-1, t-2
+        _conv_taps(m.conv1d, slice(inter + st + uni, inter + 2 * st), 0, also=1)  # C reads t, t-1
     h = m.num_heads
     # decay exp(-A*dt): A in [0.005, 0.05], dt = softplus(dt_bias) ~ 0.25 (writes stay strong)
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
