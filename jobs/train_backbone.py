@@ -7,6 +7,11 @@
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v3 --init-from models/tiny-gdn-v2 \
         --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --prepend-layers 1 --new-layer-lr-mult 10 \
         --freeze-new-mixer --phases bind-grow --lr 5e-4 --minutes 45 --threads 1
+    # continue a model of the same shapes (every tensor copied) on uuid-heavy batches, its built
+    # layer 0 frozen (v3 -> v4 with --seed 0, v4 -> v5 with --seed 1 so the batches are new):
+    python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v5 --init-from models/tiny-gdn-v4 \
+        --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --freeze-mixer-layers 0 --phases uuid \
+        --lr 3e-4 --minutes 42 --threads 2 --seed 1
 """
 from __future__ import annotations
 
