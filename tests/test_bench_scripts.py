@@ -65,3 +65,14 @@ def test_uuid_copy_errors_runs_on_a_tiny_model(tmp_path):
     r = analyse(m, tok, 256, 2)
     assert r["n"] == 2 and 0 <= r["score"] <= 100 and r["failed"] == 2 - round(r["score"] / 50)
     assert 0 < r["rep1_baseline"] <= 1 and r["rep3_baseline"] <= r["rep1_baseline"]
+
+
+def test_ruler_headline_table():
+    from bench.ruler_headline import headline
+    summary = {"m/plain/4K": 63.25, "m/plain/1M": 0.0, "m/nb-tf-top2/64K": 20.8, "other/plain/4K": 1.0}
+    lines = headline(summary, "m", methods=["plain", "nb-tf-top2", "jrt"], lengths=["4K", "64K", "1M"]).splitlines()
+    assert lines[0] == "| m | 4K | 64K | 1M |"
+    assert lines[2] == "| plain | 63.2 | — | 0.0 |" and lines[3] == "| nb-tf-top2 | — | 20.8 | — |"
+    assert len(lines) == 4                       # jrt measured nowhere: no row
+    with pytest.raises(KeyError, match="no backbone"):
+        headline(summary, "nope")
