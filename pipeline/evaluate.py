@@ -83,7 +83,7 @@ class EvalJobConfig(BackboneSweepConfig):
                                                         "nb-bm25-top2", "nb-dense-top2", "nb-oracle-top2",
                                                         "clean-start", "nb-tf-top2-reset"])
     methods_by_length: dict = field(default_factory=dict)      # e.g. {1M: [plain, nb-tf-top2]} (drops JRT's 2x pass)
-    max_new_tokens: int = 32
+    max_new_tokens: int = 128   # RULER NIAH tokens_to_generate; generation stops at EOS anyway
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0

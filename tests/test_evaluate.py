@@ -286,3 +286,22 @@ def test_bars_section_checks_issue_4_from_rows():
     assert "| nb-tf-top2 retrieved / archived coverage at 1M | 0.50 | >= 0.9 | **no** | 2 |" in text
     assert "| ceiling: nb-oracle-top2 retrieved / archived coverage at 1M | 0.75 | (reference) | — | 2 |" in text
     assert bars_section(pd.DataFrame([r for r in rows if r["method"] == "plain"])) == []
+
+
+def test_ruler_config_generates_enough_tokens_for_every_answer():
+    """The sweep's generation budget must fit the longest gold answer with room to spare: at 32
+    tokens a uuid (~33 of the project's BPE tokens) and four 7-digit values (~32) were cut short,
+    which zeroed niah_single_3 and clipped multiquery/multivalue (found in session 6)."""
+    from pathlib import Path
+    import yaml
+    from nbcore.tasks import ruler
+    from nbcore.tasks.tokenizer import build_tokenizer
+    root = Path(__file__).resolve().parents[1]
+    budget = yaml.safe_load((root / "configs" / "eval_ruler.yaml").read_text())["max_new_tokens"]
+    tok = build_tokenizer()
+    longest = max(len(tok(ruler.answer_text(ruler.generate(t, 4096, i, tok, seed=0)["answers"]),
+                          add_special_tokens=False)["input_ids"])
+                  for t in ruler.PAPER_SIX for i in range(5))
+    assert longest >= 30                       # the check is not vacuous: uuids are that long
+    assert longest + 8 <= budget, (longest, budget)
+    assert EvalJobConfig().max_new_tokens >= longest + 8
