@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window-heads", type=int, default=0,
                     help="GDN heads per layer whose q/k convs read a bag of the last --conv tokens")
     ap.add_argument("--offset-heads", nargs="*", default=[], metavar="QLAG:KLAG",
-                    help="GDN offset-induction heads per layer, e.g. 6:3 (q reads t-6, k reads t-3)")
+                    help="GDN offset-induction heads per layer, e.g. 6:3 (q reads t-6, k reads t-3); "
+                         "Mamba-2: one per layer from the first (all B/C dims; dt gate fitted when grown)")
     ap.add_argument("--conv", type=int, default=4, help="short-conv kernel size")
     ap.add_argument("--init-from", default=None,
                     help="HF model dir to grow from (same family and tokenizer; see grow_from)")

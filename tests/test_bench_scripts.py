@@ -76,3 +76,36 @@ def test_ruler_headline_table():
     assert len(lines) == 4                       # jrt measured nowhere: no row
     with pytest.raises(KeyError, match="no backbone"):
         headline(summary, "nope")
+
+
+def test_mamba2_offset_probe_scan_matches_the_model():
+    """bench/mamba2_offset_probe.py's naive scan, gated and projected like the mixer does, equals
+    transformers' Mamba2Mixer output at the last position (so the probe measures the real layer)."""
+    import torch
+    from bench import mamba2_offset_probe as probe
+    from nbcore.tasks.tokenizer import build_tokenizer
+    from nbcore.training.backbone import ModelConfig, build_model, fit_dt_gate, number_start_ids
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(family="mamba2", hidden=32, head_dim=16, state=16, layers=1, conv=8,
+                                offset_heads=((6, 3),)), tok).eval()
+    fit_dt_gate(m.backbone.layers[0], m.get_input_embeddings().weight.detach(), number_start_ids(tok))
+    ids = torch.randint(5, len(tok), (37,)).tolist()
+    mix = m.backbone.layers[0].mixer
+    assert torch.all(mix.D == 0)  # the probe leaves out the D skip; the offset init sets D = 0
+    got = {}
+    mix.register_forward_hook(lambda mod, a, out: got.__setitem__("y", out))
+    with torch.no_grad():
+        m(input_ids=torch.tensor([ids]))
+        y = probe.ssd_readout(*probe.layer0_ssd_inputs(m, ids))                   # [inter]
+        h = m.backbone.layers[0].norm(m.get_input_embeddings().weight[ids[-1]])
+        z = mix.in_proj(h)[:mix.intermediate_size]
+        ref = mix.out_proj(mix.norm(y[None, None], z[None, None]))[0, 0]
+    torch.testing.assert_close(ref, got["y"][0, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_mamba2_offset_probe_runs_on_the_shipped_model(capsys):
+    from bench import mamba2_offset_probe as probe
+    probe.main(["models/tiny-mamba2", "--n", "3"])
+    out = capsys.readouterr().out
+    assert "fitted dt gate" in out and "C.B ranks" in out and "(fitted dt):" in out

@@ -228,3 +228,95 @@ def test_continue_a_model_with_frozen_mixer_layers(tok, small_source, tmp_path):
     with pytest.raises(ValueError, match="out of range"):
         train(mc, TrainConfig(minutes=0.01, tokens_per_step=256, threads=1, init_from=str(src_dir),
                               freeze_mixer_layers=(5,)), tmp_path / "m2", tmp_path / "r2", tok, log=lambda s: None)
+
+
+# ---- Mamba-2 offset layer (the GDN offset head's analogue; bench/mamba2_offset_probe.py) ----
+
+def _mamba2(tok, **kw):
+    cfg = dict(family="mamba2", hidden=32, head_dim=16, state=16, heads=4, bigram_heads=2)
+    return build_model(ModelConfig(**{**cfg, **kw}), tok)
+
+
+def test_mamba2_offset_layer_taps(tok):
+    """--offset-heads 6:3 on Mamba-2: layer 0's every B dim reads t-3 and C dim t-6 as sparse codes
+    (gain 3, threshold 1); x reads t; the next layer keeps the induction init."""
+    from nbcore.training.backbone import OFFSET_KEY_GAIN, OFFSET_KEY_THRESHOLD
+    m = _mamba2(tok, layers=2, conv=8, offset_heads=((6, 3),))
+    one = lambda lag, g=1.0: g * torch.eye(8)[7 - lag]  # noqa: E731
+    mix = m.backbone.layers[0].mixer
+    w, bias, inter, st = mix.conv1d.weight[:, 0], mix.conv1d.bias, mix.intermediate_size, mix.ssm_state_size
+    for c in range(st):
+        assert torch.equal(w[inter + c], one(3, OFFSET_KEY_GAIN)), c             # B
+        assert torch.equal(w[inter + st + c], one(6, OFFSET_KEY_GAIN)), c        # C
+    assert torch.all(bias[inter:] == -OFFSET_KEY_GAIN * OFFSET_KEY_THRESHOLD)
+    assert torch.equal(w[0], one(0)) and bias[0] == 0                              # x
+    w1 = m.backbone.layers[1].mixer.conv1d.weight[:, 0]
+    assert torch.equal(w1[inter], one(1)) and torch.equal(w1[inter + st], one(0))  # induction
+    with pytest.raises(ValueError, match="conv size"):
+        _mamba2(tok, layers=1, conv=4, offset_heads=((6, 3),))
+    with pytest.raises(ValueError, match="per layer"):
+        _mamba2(tok, layers=1, conv=8, offset_heads=((6, 3), (6, 3)))
+
+
+def test_dt_gate_fits_number_starts(tok):
+    """fit_dt_gate: every head's dt is large at " <digit>" tokens and small on a sentence without
+    numbers (dt_bias carries the "off" default)."""
+    import torch.nn.functional as F
+    from nbcore.training.backbone import fit_dt_gate, number_start_ids
+    torch.manual_seed(0)
+    m = _mamba2(tok, layers=1, conv=8, offset_heads=((6, 3),))
+    ids = number_start_ids(tok)
+    with torch.no_grad():  # a shared direction of the number tokens, as in a trained table
+        emb = m.get_input_embeddings().weight
+        emb[ids] += 0.05 * torch.randn(32)
+    block = m.backbone.layers[0]
+    lo, leak = fit_dt_gate(block, m.get_input_embeddings().weight.detach(), ids)
+    assert lo > 1.0 and leak < lo
+    text = tok(" The grass is green, the sky is blue; go home.", add_special_tokens=False)["input_ids"]
+    mix = block.mixer
+    with torch.no_grad():
+        dt = lambda t: F.softplus(mix.in_proj(block.norm(emb[torch.tensor(t)]))[:, -mix.num_heads:]  # noqa: E731
+                                  + mix.dt_bias)
+        assert dt(ids).min() > 1.0 and dt(text).max() < 0.5
+
+
+@pytest.fixture(scope="module")
+def mamba2_source(tok, tmp_path_factory):
+    d = tmp_path_factory.mktemp("m2src")
+    torch.manual_seed(0)
+    m = _mamba2(tok, layers=2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    m.save_pretrained(d)
+    return d, m
+
+
+def test_mamba2_grow_keeps_logits_and_frozen_offset_layer_stays_built(tok, mamba2_source, tmp_path):
+    """Grow a 2-layer Mamba-2 by an offset layer placed first (conv 4 -> 8): same logits at step 0.
+    Trained with --freeze-new-mixer, the layer's x/B/C/dt rows of in_proj, conv and dt_bias end as
+    built and fitted, while its output gate z rows and out_proj train (weight decay included)."""
+    from nbcore.training.backbone import TrainConfig, fit_dt_gate, grow_from, mamba2_circuit_rows, number_start_ids, train
+    src_dir, src = mamba2_source
+    mc = ModelConfig(family="mamba2", hidden=32, head_dim=16, state=16, heads=4, bigram_heads=2,
+                     layers=3, conv=8, offset_heads=((6, 3),))
+    torch.manual_seed(0)
+    built = build_model(mc, tok)
+    grow_from(built, src_dir, prepend=1)
+    ids = torch.randint(5, len(tok), (2, 63))
+    with torch.no_grad():
+        torch.testing.assert_close(built(input_ids=ids).logits, src(input_ids=ids).logits, rtol=0, atol=1e-5)
+    fit_dt_gate(built.backbone.layers[0], built.get_input_embeddings().weight.detach(), number_start_ids(tok))
+    tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir), grow_prepend=1,
+                     new_layer_lr_mult=10.0, freeze_new_mixer=True)
+    logs = []
+    model, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=logs.append)
+    assert meta["steps"] >= 1 and any("offset layer 0 writes at number starts" in s for s in logs)
+    new, ref = model.backbone.layers[0].mixer, built.backbone.layers[0].mixer
+    rows = mamba2_circuit_rows(new)
+    assert torch.equal(new.in_proj.weight[rows], ref.in_proj.weight[rows])
+    assert not torch.equal(new.in_proj.weight[:rows.start], ref.in_proj.weight[:rows.start])
+    for name in ("conv1d", "dt_bias", "A_log"):
+        a, b = getattr(new, name), getattr(ref, name)
+        assert torch.equal(a.weight if hasattr(a, "weight") else a, b.weight if hasattr(b, "weight") else b), name
+    assert new.out_proj.weight.abs().sum() > 0

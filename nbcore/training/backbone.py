@@ -55,7 +55,8 @@ class ModelConfig:
     bigram_heads: int = 0  # GDN heads per layer whose induction init matches (t-1, t) bigrams (see _init_gdn;
     # Mamba-2: bigram_heads/heads of the shared B/C state dims, see _init_mamba2)
     window_heads: int = 0  # GDN heads per layer whose q/k convs read a bag of the last `conv` tokens (see _init_gdn)
-    offset_heads: tuple = ()  # (q lag, k lag) per GDN head after the window heads: offset induction (see _init_gdn)
+    offset_heads: tuple = ()  # (q lag, k lag) per GDN head after the window heads: offset induction (see _init_gdn;
+    # Mamba-2: per *layer* from the first, all B/C state dims, since one B/C group serves every head)
 
 
 @dataclass
@@ -147,8 +148,12 @@ def build_model(mc: ModelConfig, tok):
         model = Mamba2ForCausalLM(cfg)
         if mc.bigram_heads > mc.heads:
             raise ValueError(f"bigram_heads={mc.bigram_heads} > heads={mc.heads}")
-        for layer in model.backbone.layers:
-            _init_mamba2(layer.mixer, mc.identity_init, bigram_frac=mc.bigram_heads / mc.heads)
+        if len(mc.offset_heads) > mc.layers:
+            raise ValueError(f"offset_heads={mc.offset_heads}: Mamba-2 takes one (q lag, k lag) per "
+                             f"layer, {mc.layers} layers")
+        for i, layer in enumerate(model.backbone.layers):
+            _init_mamba2(layer.mixer, mc.identity_init, bigram_frac=mc.bigram_heads / mc.heads,
+                         offset=mc.offset_heads[i] if i < len(mc.offset_heads) else None)
     else:
         raise ValueError(mc.family)
     with torch.no_grad():
@@ -259,14 +264,21 @@ def _init_gdn(m, identity: bool = True, bigram_heads: int = 0, window_heads: int
     m.dt_bias.fill_(-4.0)
 
 
+OFFSET_KEY_GAIN, OFFSET_KEY_THRESHOLD = 3.0, 1.0  # Mamba-2 offset layer's sparse B/C codes (_init_mamba2)
+
+
 @torch.no_grad()
-def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0) -> None:
+def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0, offset: tuple | None = None) -> None:
     """Same recipe for Mamba-2: x (value) and C (query) read token t, B (key) = C reads t-1.
 
     ``bigram_frac``: Mamba-2 has one B/C group shared by every head, so the bigram match of
     ``_init_gdn`` goes to state dims, not heads: the last ``bigram_frac`` of the B/C dims read
     C = x_t + x_{t-1}, B = x_{t-1} + x_{t-2}; the score C.B then adds a bigram match to the
-    unigram one (``--bigram-heads k`` of ``--heads h`` gives k/h)."""
+    unigram one (``--bigram-heads k`` of ``--heads h`` gives k/h).
+
+    ``offset`` (a, b): the GDN offset head (see ``_init_gdn``) for a whole layer: every C dim
+    reads token t-a, every B dim t-b, x reads t. With one shared B/C group an offset cannot be
+    given to some heads only; the layer's dt write gate (``fit_dt_gate``) decides where it writes."""
     inter, st, hid = m.intermediate_size, m.n_groups * m.ssm_state_size, m.hidden_size
     w = m.in_proj.weight  # rows: gate(inter) | x(inter) | B(st) | C(st) | dt(heads)
     xb = inter  # start of the conv block
@@ -283,6 +295,20 @@ def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0) -> None:
     if uni < st:
         _conv_taps(m.conv1d, slice(inter + uni, inter + st), 1, also=2)  # B reads t-1, t-2
         _conv_taps(m.conv1d, slice(inter + st + uni, inter + 2 * st), 0, also=1)  # C reads t, t-1
+    if offset is not None:
+        a, b = offset
+        K = m.conv1d.weight.shape[-1]
+        if not (0 <= a < K and 0 < b < K):
+            raise ValueError(f"offset lags {(a, b)} must be < conv size {K} (k lag >= 1)")
+        bc = slice(inter, inter + 2 * st)
+        _conv_taps(m.conv1d, slice(inter, inter + st), b)            # B (key) reads t-b
+        _conv_taps(m.conv1d, slice(inter + st, inter + 2 * st), a)   # C (query) reads t-a
+        # sparse keys: B, C = silu(3 e - 3), about the dims where the normed embedding exceeds 1.
+        # Mamba-2 neither normalises B/C nor erases, and silu(e) has a positive mean, so plain
+        # silu(e) codes of different tokens overlap: the fitted-gate read-out found the gold first
+        # digit in 8/20 multikey haystacks with them, 19/20 with these (bench/mamba2_offset_probe.py)
+        m.conv1d.weight.data[bc] *= OFFSET_KEY_GAIN
+        m.conv1d.bias.data[bc] = -OFFSET_KEY_GAIN * OFFSET_KEY_THRESHOLD
     h = m.num_heads
     # decay exp(-A*dt): A in [0.005, 0.05], dt = softplus(dt_bias) ~ 0.25 (writes stay strong)
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
@@ -360,6 +386,33 @@ def fit_write_gate(layer, embeddings: torch.Tensor, write_ids: list[int], heads:
         for h in heads:
             layer.linear_attn.in_proj_b.weight[h] = w
         return float((x @ w).sigmoid()[y == 0].max())
+
+
+def fit_dt_gate(block, embeddings: torch.Tensor, write_ids: list[int], l2: float = 1e-3) -> tuple[float, float]:
+    """Mamba-2 analogue of ``fit_write_gate`` for a first layer (``block`` = Mamba2Block, whose
+    input is the token embedding): every head's dt = softplus(in_proj_dt h + dt_bias) is fitted
+    (logistic regression with a bias, the bias going to ``dt_bias``) to be large at ``write_ids``
+    and ~0 elsewhere. dt is both Mamba-2's write strength (h += dt B x) and its forget step
+    (h *= exp(-A dt)), so dt ~ 0 on the haystack also means the needles' writes are kept.
+    Returns (smallest dt on a write token, largest dt elsewhere)."""
+    m = block.mixer
+    with torch.no_grad():
+        x = block.norm(embeddings)                                   # [V, hidden]
+    y = torch.zeros(x.shape[0])
+    y[write_ids] = 1.0
+    wb = fit_gate_weights(torch.cat([x, torch.ones(len(x), 1)], 1), y, l2)  # [hidden + 1]
+    w, b = wb[:-1], wb[-1]
+    with torch.no_grad():
+        m.in_proj.weight[-m.num_heads:] = w                          # rows: ... | dt(heads)
+        m.dt_bias.fill_(float(b))
+        dt = F.softplus(x @ w + b)                                   # [V]
+    return float(dt[y == 1].min()), float(dt[y == 0].max())
+
+
+def mamba2_circuit_rows(mixer) -> slice:
+    """in_proj rows of a Mamba2Mixer that build the state (x | B | C | dt), as opposed to the
+    output gate z (the first intermediate_size rows), which belongs to the read-out."""
+    return slice(mixer.intermediate_size, mixer.in_proj.weight.shape[0])
 
 
 def fit_gate_weights(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-3) -> torch.Tensor:
@@ -538,6 +591,24 @@ def export(model, tok, out_dir: Path, meta: dict) -> None:
     (out_dir / "train_meta.json").write_text(json.dumps(meta, indent=2))
 
 
+def _freeze_mixer(model, i: int, is_readout) -> list:
+    """Hold layer ``i``'s state-building parameters (q/k/v/conv/gates; Mamba-2: x/B/C/dt rows of
+    in_proj, conv, dt_bias, A_log, D) at their current values; its read-out keeps training.
+    Returns [(param, rows, values)] for row blocks that share a tensor with trained rows (Mamba-2's
+    in_proj): the caller writes them back after every optimizer step (AdamW's decoupled weight
+    decay would shrink them even with a zero gradient)."""
+    held = []
+    for n, p in model.named_parameters():
+        if f".layers.{i}." not in n:
+            continue
+        if n.endswith("mixer.in_proj.weight"):  # z rows train, the circuit rows are held
+            rows = mamba2_circuit_rows(dict(model.named_modules())[n[:-len(".in_proj.weight")]])
+            held.append((p, rows, p.detach()[rows].clone()))
+        elif not is_readout(n):
+            p.requires_grad_(False)
+    return held
+
+
 def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, log=print):
     torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -546,7 +617,11 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     ckpt_path = run_dir / "ckpt.pt"
     model = build_model(mc, tok)
     grown = grow_from(model, tc.init_from, tc.grow_prepend) if tc.init_from and not ckpt_path.exists() else None
-    if grown and mc.offset_heads and tc.grow_prepend:  # the new first layer's offset heads (see fit_write_gate)
+    if grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2":  # see fit_dt_gate
+        lo, leak = fit_dt_gate(model.backbone.layers[0], model.get_input_embeddings().weight.detach(),
+                               number_start_ids(tok))
+        log(f"offset layer 0 writes at number starts (dt >= {lo:.2f} there, max dt elsewhere {leak:.3f})")
+    elif grown and mc.offset_heads and tc.grow_prepend:  # the new first layer's offset heads (see fit_write_gate)
         heads = list(range(mc.window_heads, mc.window_heads + len(mc.offset_heads)))
         leak = fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
                               number_start_ids(tok), heads)
@@ -558,19 +633,21 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     # (first value digit 8/10 -> 0/10 in 460 steps) before the read-out could use it.
     new_idx = set(range(tc.grow_prepend)) | set(range(tc.grow_prepend + _source_layers(tc.init_from),
                                                       mc.layers)) if tc.init_from else set()
-    readout = ("out_proj", "in_proj_z", "linear_attn.norm", "mlp.", "post_attention_layernorm")
+    # read-out = what maps the layer's state read into the residual stream. Mamba-2's in_proj holds
+    # both the output gate z and the circuit (x | B | C | dt): it counts as read-out and, when
+    # frozen, only its circuit rows are held (written back after each step; see _freeze_mixer)
+    readout = ("out_proj", "in_proj_z", "linear_attn.norm", "mlp.", "post_attention_layernorm",
+               "mixer.norm", "mixer.in_proj")
+    is_readout = lambda n: any(r in n for r in readout)  # noqa: E731
     in_new = lambda n: any(f".layers.{i}." in n for i in new_idx)  # noqa: E731
-    new_readout = lambda n: in_new(n) and any(r in n for r in readout)  # noqa: E731
-    if tc.freeze_new_mixer:  # the init's circuits (offset heads + their write gate) stay as built
-        for n, p in model.named_parameters():
-            if in_new(n) and not new_readout(n):
-                p.requires_grad_(False)
-    for i in tc.freeze_mixer_layers:  # e.g. a grown model's built layer 0, when it is trained further
+    new_readout = lambda n: in_new(n) and is_readout(n)  # noqa: E731
+    frozen = set(tc.freeze_mixer_layers)
+    for i in frozen:  # e.g. a grown model's built layer 0, when it is trained further
         if not 0 <= i < mc.layers:
             raise ValueError(f"freeze_mixer_layers: layer {i} out of range for {mc.layers} layers")
-        for n, p in model.named_parameters():
-            if f".layers.{i}." in n and not any(r in n for r in readout):
-                p.requires_grad_(False)
+    if tc.freeze_new_mixer:  # the init's circuits (offset heads + their write gate) stay as built
+        frozen |= new_idx
+    held = [h for i in sorted(frozen) for h in _freeze_mixer(model, i, is_readout)]
     groups = [{"params": [p for n, p in model.named_parameters() if not new_readout(n) and p.requires_grad],
                "lr_mult": 1.0},
               {"params": [p for n, p in model.named_parameters() if new_readout(n)],
@@ -586,6 +663,7 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
         torch.set_rng_state(ck["torch_rng"].cpu())
         phase = ck.get("phase", 0)
         log(f"resumed from {ckpt_path} at step {step}, {elapsed:.0f}s, {tokens} tokens")
+    held = [(p, rows, p.detach()[rows].clone()) for p, rows, _ in held]  # the loaded values
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{mc.family}: {n_params} params; budget {tc.minutes} min"
         + (f"; grown from {tc.init_from}: {grown['copied']} copied, {grown['conv_padded']} convs "
@@ -631,6 +709,9 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        with torch.no_grad():
+            for p, rows, values in held:
+                p[rows] = values
         step += 1
         tokens += int(ids.numel())
         ema = (a_l, l_l, em) if ema is None else tuple(0.9 * e + 0.1 * v for e, v in zip(ema, (a_l, l_l, em)))
@@ -674,7 +755,9 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
     phases += "\n  - phase changes in this run: " + json.dumps(meta.get("phase_log", []))
     tr = meta["train"]
     bigram = mc.get("bigram_heads", 0)
-    bigram_text = (f"\n  In {bigram} of the {mc['heads']} heads per layer the induction init matches bigrams:"
+    where = (f"{bigram}/{mc['heads']} of the shared B/C state dims (C = query, B = key)"
+             if mc["family"] == "mamba2" else f"{bigram} of the {mc['heads']} heads per layer")
+    bigram_text = (f"\n  In {where} the induction init matches bigrams:"
                    f"\n  q reads tokens t and t-1, k reads t-1 and t-2, so a repeated token inside a value"
                    f"\n  (uuids, 7-digit numbers) does not make the copy lose its place." if bigram else "")
     flags = (f"--family {mc['family']} --out models/{out_dir.name} --minutes {tr['minutes']:g} --seed {tr['seed']}"
@@ -713,7 +796,10 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                           + f", short conv {src_conv} -> {mc['conv']} (old taps kept at the newest "
                           f"positions); at step 0 the grown model's logits equal the source's exactly. "
                           + (f"The new layer's offset heads {offsets} (q reads t-a, k reads t-b) write only at "
-                             f"number starts (a fitted write gate); " if offsets else "")
+                             f"number starts (a fitted write gate); " if offsets and mc["family"] != "mamba2" else "")
+                          + (f"The new layer is an offset layer {offsets} (C reads t-a, B reads t-b, as sparse "
+                             f"codes silu(3e - 3)) whose dt is fitted to write at number starts only "
+                             f"(`fit_dt_gate`); " if offsets and mc["family"] == "mamba2" else "")
                           + ("its q/k/v/conv/gates stay frozen; " if tr.get("freeze_new_mixer") else "")
                           + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr.{frozen_text} "
                           f"Steps, tokens and wall time below are this run's only.")
