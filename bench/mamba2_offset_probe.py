@@ -16,7 +16,6 @@ measures, for that layer alone:
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -29,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 from nbcore.tasks import ruler  # noqa: E402
 from nbcore.tasks.tokenizer import load_tokenizer  # noqa: E402
 from nbcore.training import backbone as bb  # noqa: E402
+
+from bench.offset_head_probe import multikey_needles  # noqa: E402
 
 
 def layer0_ssd_inputs(model, ids: list[int]):
@@ -92,11 +93,7 @@ def main(argv=None) -> int:
         ids, offs = enc["input_ids"], enc["offset_mapping"]
         x, B, C, dt, A = layer0_ssd_inputs(model, ids)
         score = B @ C[-1]                                                          # [T]
-        needles = []
-        for m in re.finditer(r"for [\w-]+ is: (\d+)", ex["context"]):
-            pos = next(j for j, (a, b) in enumerate(offs) if a <= m.start(1) - 1 < b or a == m.start(1))
-            needles.append((m.group(1), pos))
-        gold = next(p for val, p in needles if val == ex["answers"][0])
+        needles, gold = multikey_needles(ex, offs)
         best_needle += max(needles, key=lambda vp: score[vp[1]])[1] == gold
         ideal = torch.tensor([1.0 if t in set(starts) else 0.0 for t in ids])[:, None].expand_as(dt)
         for name, d in (("fitted dt", dt), ("dt = 1 at number starts", ideal)):

@@ -73,6 +73,16 @@ def fit_gate_on_states(model, layer_idx: int, tok, starts: set[int], n: int = 6)
         model.model.layers[layer_idx].linear_attn.in_proj_b.weight[0] = w
 
 
+def multikey_needles(ex: dict, offs: list) -> tuple[list, int]:
+    """A niah_multikey_1 example's needles as [(value, token position of its first token)], and the
+    asked needle's position (``offs``: the tokenizer's offset mapping of context + question)."""
+    needles = []
+    for m in re.finditer(r"for [\w-]+ is: (\d+)", ex["context"]):
+        pos = next(j for j, (a, b) in enumerate(offs) if a <= m.start(1) - 1 < b or a == m.start(1))
+        needles.append((m.group(1), pos))
+    return needles, next(p for val, p in needles if val == ex["answers"][0])
+
+
 def delta_rule_readout(q, k, v, beta, g) -> torch.Tensor:
     """Naive gated delta rule (S <- g S; S += beta (v - S k) k^T), read with q at the last step."""
     S = torch.zeros(v.shape[1], k.shape[1])
@@ -137,11 +147,7 @@ def main(argv=None) -> int:
         ids, offs = enc["input_ids"], enc["offset_mapping"]
         q, k, v, beta, g, _ = head_qkv(model, ids, layer_idx=layer_idx)
         score = k @ q[-1]                                                               # [T]
-        needles = []
-        for m in re.finditer(r"for [\w-]+ is: (\d+)", ex["context"]):
-            pos = next(j for j, (a, b) in enumerate(offs) if a <= m.start(1) - 1 < b or a == m.start(1))
-            needles.append((m.group(1), pos))
-        gold = next(p for val, p in needles if val == ex["answers"][0])
+        needles, gold = multikey_needles(ex, offs)
         best_needle += max(needles, key=lambda vp: score[vp[1]])[1] == gold
         best_all += int((score > score[gold]).sum()) == 0
         ideal = torch.tensor([1.0 if t in set(starts) else 0.0 for t in ids])
