@@ -12,6 +12,8 @@ measures, for that layer alone:
 
     python bench/mamba2_offset_probe.py models/tiny-mamba2          # grow it, step 0
     python bench/mamba2_offset_probe.py models/tiny-mamba2-v3 --trained   # a grown, trained model
+    python bench/mamba2_offset_probe.py models/tiny-mamba2-v3 --ablate    # plain multikey at 1K (N=30),
+                                      # as trained and with the offset layer's out_proj zeroed
     (--n N: examples, default 20)
 """
 from __future__ import annotations
@@ -61,10 +63,26 @@ def ssd_readout(x, B, C, dt, A) -> torch.Tensor:
     return (S @ C[-1]).reshape(-1)
 
 
+def ablate(model_dir: str, n: int = 30) -> None:
+    """Greedy niah_multikey_1 at 1K as trained and with layer 0 (the offset layer) silenced."""
+    from transformers import AutoModelForCausalLM
+    tok = load_tokenizer(model_dir)
+    for name in ("none", "offset layer (out_proj = 0)"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        if name != "none":
+            with torch.no_grad():
+                model.backbone.layers[0].mixer.out_proj.weight.zero_()
+        score = bb.evaluate(model, tok, ["niah_multikey_1"], 1024, n, seed=0)["niah_multikey_1"]
+        print(f"{model_dir}: ablated {name}: niah_multikey_1 at 1K = {score:.1f} (N={n})")
+
+
 def main(argv=None) -> int:
     args = argv or sys.argv[1:] or [str(ROOT / "models" / "tiny-mamba2")]
     src = args[0]
     torch.set_num_threads(1)
+    if "--ablate" in args:
+        ablate(src)
+        return 0
     tok = load_tokenizer(src)
     starts = bb.number_start_ids(tok)
     if "--trained" in args:

@@ -12,6 +12,12 @@
     python jobs/train_backbone.py --family gdn --out models/tiny-gdn-v5 --init-from models/tiny-gdn-v4 \
         --layers 5 --conv 8 --bigram-heads 2 --offset-heads 6:3 --freeze-mixer-layers 0 --phases uuid \
         --lr 3e-4 --minutes 42 --threads 2 --seed 1
+    # Mamba-2, the same chain: from scratch with the bigram init on half the shared B/C dims, then an
+    # offset layer grown first (its dt fitted to write at number starts; bench/mamba2_offset_probe.py):
+    python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v2 --minutes 95 --bigram-heads 4 --heads 8
+    python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v3 --init-from models/tiny-mamba2-v2 \
+        --layers 5 --conv 8 --bigram-heads 4 --heads 8 --offset-heads 6:3 --prepend-layers 1 \
+        --new-layer-lr-mult 10 --freeze-new-mixer --phases bind-grow --lr 5e-4 --minutes 38 --threads 2
 """
 from __future__ import annotations
 
