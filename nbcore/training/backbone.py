@@ -602,7 +602,7 @@ def _freeze_mixer(model, i: int, is_readout) -> list:
         if f".layers.{i}." not in n:
             continue
         if n.endswith("mixer.in_proj.weight"):  # z rows train, the circuit rows are held
-            rows = mamba2_circuit_rows(dict(model.named_modules())[n[:-len(".in_proj.weight")]])
+            rows = mamba2_circuit_rows(model.get_submodule(n[:-len(".in_proj.weight")]))
             held.append((p, rows, p.detach()[rows].clone()))
         elif not is_readout(n):
             p.requires_grad_(False)
