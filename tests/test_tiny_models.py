@@ -9,7 +9,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"tiny-gdn": "qwen3_5_text", "tiny-gdn-v2": "qwen3_5_text", "tiny-gdn-v3": "qwen3_5_text",
           "tiny-gdn-v4": "qwen3_5_text", "tiny-gdn-v5": "qwen3_5_text",
-          "tiny-mamba2": "mamba2", "tiny-mamba2-v2": "mamba2", "tiny-mamba2-v3": "mamba2"}
+          "tiny-mamba2": "mamba2", "tiny-mamba2-v2": "mamba2", "tiny-mamba2-v3": "mamba2",
+          "tiny-mamba2-v4": "mamba2"}
 
 
 def _dir(name: str) -> Path:

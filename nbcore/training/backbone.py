@@ -782,7 +782,9 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
         src_conv = (src.get("model") or {}).get("conv") or _source_conv(src["path"])
         trained = f" ({src['steps']} steps, {src['tokens']:,} tokens)" if src.get("steps") else ""
         frozen = tr.get("freeze_mixer_layers") or ()
-        frozen_text = (f" The q/k/v/conv/gates of layer(s) {', '.join(map(str, frozen))} stay as loaded "
+        held = ("x/B/C/dt rows of `in_proj`, conv, dt_bias, A and D" if mc["family"] == "mamba2"
+                else "q/k/v/conv/gates")   # what _freeze_mixer holds per family
+        frozen_text = (f" The {held} of layer(s) {', '.join(map(str, frozen))} stay as loaded "
                        f"(only their read-out trains)." if frozen else "")
         if mc["layers"] == src_layers and str(src_conv) == str(mc["conv"]):  # same shapes: a continuation
             title = f"continued from {Path(src['path']).name} on CPU"
