@@ -44,6 +44,35 @@ def test_router_dev_small():
     assert set(res["ratio_to_bm25"]) == {"embmax", "embmax_centered"}
 
 
+def test_channel_hits_agrees_with_the_native_router():
+    """The per-channel diagnosis re-derives Eq. 5's votes: its top-2 coverage and gold vote count
+    must equal what the production `native` router + top_r give on the same archive."""
+    from pathlib import Path
+    import numpy as np
+    import torch
+    from bench import channel_hits as ch
+    from nbcore.config import NoteBankConfig
+    from nbcore.evals.ruler_eval import coverage
+    from nbcore.notebank.route import top_r
+    from nbcore.notebank.routers import RouteQuery, get_router
+    from nbcore.reader import coords_for, ingest
+    from nbcore.tasks import ruler
+    from pipeline.worker import build_backbone
+    bb = build_backbone({"path": str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn"), "device": "cpu"})
+    ex = ruler.generate("niah_multivalue", 2048, 0, bb.tokenizer, seed=1)
+    res = ingest(bb, ex["context"], NoteBankConfig(chunk_size=256, write_budget=2, note_budget=64).validate())
+    hit, cov, chance, votes = ch.channel_hits(bb, res.archive, res.state, ex["question"], list(ex["answers"]))
+    assert hit.shape == (res.archive.routing_keys().shape[0],) and 0 < chance < 1
+    q_ids = torch.tensor(bb.tokenizer(ex["question"], add_special_tokens=False)["input_ids"])
+    rq = RouteQuery(bb, res.state, res.archive, ex["question"], q_ids, list(ex["answers"]),
+                    coords_for(bb, res.archive.config))
+    native = get_router("native")(rq)
+    texts = [bb.tokenizer.decode(z.tolist(), skip_special_tokens=True) for z in res.archive.token_ids]
+    gold = np.array([coverage(list(ex["answers"]), [t]) > 0 for t in texts])
+    assert cov == coverage(list(ex["answers"]), [texts[i] for i in top_r(native, 2, res.archive.starts)])
+    assert votes["gold"] == int(native[gold].max()) and native[gold].sum() == hit.sum()
+
+
 def test_uuid_copy_errors_repeated_kgram():
     from bench.uuid_copy_errors import repeated_before
     gold = [1, 2, 3, 1, 2, 4, 1]

@@ -50,6 +50,19 @@ def test_summary_is_mean_of_per_task_means(tmp_path):
     assert "| plain | 37.5 |" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.parametrize("n,shape", [(1, (1, 1)), (3, (1, 3)), (5, (2, 3)), (7, (3, 3))], ids=lambda v: str(v))
+def test_panel_grid_wraps_backbones(n, shape, tmp_path):
+    from nbcore.evals.report import panel_grid, pyplot, save_figure, legend_rect
+    plt = pyplot()
+    fig, axes = panel_grid(plt, n, 6.5, 4.6)
+    grid = fig.axes[0].get_subplotspec().get_gridspec()
+    assert (grid.nrows, grid.ncols) == shape and len(axes) == n
+    assert [a.get_visible() for a in fig.axes] == [True] * n + [False] * (shape[0] * shape[1] - n)
+    assert fig.get_size_inches()[1] == pytest.approx(4.6 * shape[0])
+    save_figure(fig, str(tmp_path / "p.png"), rect=legend_rect(fig))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="backbones"):
         EvalJobConfig().validate()

@@ -44,6 +44,24 @@ def save_figure(fig, path: str, rect=None) -> None:
     plt.close(fig)
 
 
+def panel_grid(plt, n: int, width: float, height: float, max_cols: int = 3):
+    """n panels of width x height inches, at most max_cols per row (a wide sweep stays readable).
+    -> (fig, the first n axes in reading order); spare axes of the last row are hidden."""
+    ncols = min(n, max_cols)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def legend_rect(fig, legend_in: float = 0.6, title_in: float = 0.45) -> tuple:
+    """tight_layout box leaving legend_in inches below the panels and title_in above them."""
+    h = fig.get_size_inches()[1]
+    return (0, legend_in / h, 1, 1 - title_in / h)
+
+
 def figure_legend(fig, axes, ncol: int) -> None:
     """One legend below all panels: each label once, in first-seen order (colours are shared)."""
     handles = {}
@@ -111,8 +129,8 @@ def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
     bbs = sorted(df["backbone"].unique())
     methods = [m for m in KEY_METHODS if m in set(df.method)] + sorted(set(df.method) - set(KEY_METHODS))
     colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, len(bbs), figsize=(6.5 * len(bbs), 5.2), squeeze=False)
-    for ax, bb in zip(axes[0], bbs):
+    fig, axes = panel_grid(plt, len(bbs), 6.5, 4.6)
+    for ax, bb in zip(axes, bbs):
         d = df[df.backbone == bb].groupby(["method", "length", "task"])["score"].mean().reset_index()
         d = d.groupby(["method", "length"])["score"].mean().reset_index()
         for m in [x for x in methods if x in set(d.method)]:
@@ -128,9 +146,9 @@ def plot_accuracy_vs_length(df, path: str, max_lines: int = 12) -> None:
         ax.set_ylabel("mean RULER score (0-100)")
         ax.set_title(bb)
         ax.grid(alpha=0.3)
-    figure_legend(fig, axes[0], ncol=7)
+    figure_legend(fig, axes, ncol=7)
     fig.suptitle("Accuracy vs context length (dashed: no NoteBank; thick: paper's NB-TF and best native + reset)")
-    save_figure(fig, path, rect=(0, 0.1, 1, 0.95))
+    save_figure(fig, path, rect=legend_rect(fig))
 
 
 def plot_coverage(df, path: str, method: str = "nb-tf-top2") -> None:
@@ -139,8 +157,8 @@ def plot_coverage(df, path: str, method: str = "nb-tf-top2") -> None:
     if d.empty:
         return
     bbs = sorted(d["backbone"].unique())
-    fig, axes = plt.subplots(1, len(bbs), figsize=(6.5 * len(bbs), 4.2), squeeze=False)
-    for ax, bb in zip(axes[0], bbs):
+    fig, axes = panel_grid(plt, len(bbs), 6.5, 4.2)
+    for ax, bb in zip(axes, bbs):
         g = d[d.backbone == bb].groupby("length")[["archived_cov", "retrieved_cov"]].mean().sort_index()
         x = np.arange(len(g))
         ax.bar(x - 0.2, g["archived_cov"], 0.4, label="archived")
@@ -160,8 +178,8 @@ def plot_routers(df, path: str, r: int = 2) -> None:
     if d.empty:
         return
     bbs = sorted(d["backbone"].unique())
-    fig, axes = plt.subplots(1, len(bbs), figsize=(6.5 * len(bbs), 4.2), squeeze=False)
-    for ax, bb in zip(axes[0], bbs):
+    fig, axes = panel_grid(plt, len(bbs), 6.5, 4.2)
+    for ax, bb in zip(axes, bbs):
         g = d[d.backbone == bb].groupby(["method", "length"])["score"].mean().unstack("length")
         lengths = list(g.columns)
         w = 0.8 / max(1, len(g))
@@ -259,8 +277,8 @@ def plot_router_coverage(df, path: str, r: int = 2) -> None:
     routers = [x for x in (*NATIVE_VARIANTS, *EXTERNAL_ROUTERS) if x in set(t.router)]
     routers += sorted(set(t.router) - set(routers))
     colors = {x: plt.get_cmap("tab20")(i % 20) for i, x in enumerate(routers)}
-    fig, axes = plt.subplots(1, len(bbs), figsize=(7 * len(bbs), 5.6), squeeze=False)
-    for ax, bb in zip(axes[0], bbs):
+    fig, axes = panel_grid(plt, len(bbs), 7, 4.8)
+    for ax, bb in zip(axes, bbs):
         d = t[t.backbone == bb]
         for router in [x for x in routers if x in set(d.router)]:
             g = d[d.router == router].sort_values("length")
@@ -276,9 +294,9 @@ def plot_router_coverage(df, path: str, r: int = 2) -> None:
         ax.set_ylabel(f"retrieved gold coverage (top-{r})")
         ax.set_title(bb)
         ax.grid(alpha=0.3)
-    figure_legend(fig, axes[0], ncol=8)
+    figure_legend(fig, axes, ncol=8)
     fig.suptitle("Native addressing variants vs external routers: is the archived evidence retrieved?")
-    save_figure(fig, path, rect=(0, 0.12, 1, 0.95))
+    save_figure(fig, path, rect=legend_rect(fig, legend_in=0.75))
 
 
 def routers_section(df, r: int = 2, bar_lengths=(1 << 16, 1 << 20)) -> list[str]:
