@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import machine, today, write_json  # noqa: E402
+from bench.common import add_dev_draw_args, write_dev_draw  # noqa: E402
 from nbcore.config import NoteBankConfig  # noqa: E402
 from nbcore.evals.ruler_eval import coverage  # noqa: E402
 from nbcore.notebank.route import slot_scores, top_r  # noqa: E402
@@ -74,20 +74,15 @@ def run(model: str, length: int, n: int, seed: int, chunk_size: int) -> dict:
             "tf_top2_retrieved_cov_mean": round(float(np.mean([np.mean(v) for v in cov.values()])), 3)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/tiny-gdn-v5")
+    add_dev_draw_args(ap, model="models/tiny-gdn-v5", length="16K", n=2)
     ap.add_argument("--chunk-size", type=int, default=512, help="C (the sweep: 512 GDN, 256 Mamba-2)")
-    ap.add_argument("--length", default="16K")
-    ap.add_argument("--n", type=int, default=2, help="examples per task")
-    ap.add_argument("--seed", type=int, default=1, help="1: a development draw, disjoint from the sweep's seed 0")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = run(a.model, parse_length(a.length), a.n, a.seed, a.chunk_size)
-    write_json(a.out, {"date": today(), "machine": machine(), "model": a.model, "length": a.length,
-                       "chunk_size": a.chunk_size, "examples_per_task": a.n, "seed": a.seed,
-                       "command": " ".join(["python", *sys.argv]), **res})
+    write_dev_draw(a, res, argv, chunk_size=a.chunk_size)
     print({k: res[k] for k in ("channels", "hit_rate", "chance", "tf_top2_retrieved_cov_mean", "votes_gold_vs_other")})
     return 0
 

@@ -48,3 +48,20 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
+
+
+def add_dev_draw_args(ap, model: str, length: str, n: int) -> None:
+    """The CLI shared by the RULER development-draw probes (router_dev, channel_hits)."""
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--length", default=length)
+    ap.add_argument("--n", type=int, default=n, help="examples per task")
+    ap.add_argument("--seed", type=int, default=1, help="1: a development draw, disjoint from the sweep's seed 0")
+    ap.add_argument("--out", required=True)
+
+
+def write_dev_draw(args, res: dict, argv: list[str], **extra) -> None:
+    """Write a probe's result with what reproduces it (date, machine, arguments, command)."""
+    import sys
+    write_json(args.out, {"date": today(), "machine": machine(), "model": args.model, "length": args.length,
+                          "examples_per_task": args.n, "seed": args.seed, **extra,
+                          "command": " ".join(["python", sys.argv[0], *argv]), **res})

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import machine, today, write_json  # noqa: E402
+from bench.common import add_dev_draw_args, write_dev_draw  # noqa: E402
 from nbcore.config import NoteBankConfig  # noqa: E402
 from nbcore.evals.ruler_eval import coverage  # noqa: E402
 from nbcore.notebank.routers import RouteQuery, get_router  # noqa: E402
@@ -54,19 +54,14 @@ def run(model: str, length: int, n: int, seed: int, top_r: int = 2) -> dict:
                                   for t in ruler.PAPER_SIX} for r in ROUTERS if r != "bm25"}}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="models/tiny-gdn")
-    ap.add_argument("--length", default="64K")
-    ap.add_argument("--n", type=int, default=6, help="examples per task")
-    ap.add_argument("--seed", type=int, default=1, help="1: a development draw, disjoint from the sweep's seed 0")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    add_dev_draw_args(ap, model="models/tiny-gdn", length="64K", n=6)
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = run(a.model, parse_length(a.length), a.n, a.seed)
-    write_json(a.out, {"date": today(), "machine": machine(), "model": a.model, "length": a.length,
-                       "examples_per_task": a.n, "seed": a.seed, "top_r": 2,
-                       "command": " ".join(["python", *sys.argv]), **res})
+    write_dev_draw(a, res, argv, top_r=2)
     print(res)
     return 0
 

@@ -73,6 +73,19 @@ def test_channel_hits_agrees_with_the_native_router():
     assert votes["gold"] == int(native[gold].max()) and native[gold].sum() == hit.sum()
 
 
+def test_channel_hits_cli_writes_its_result(tmp_path):
+    import json
+    from pathlib import Path
+    from bench import channel_hits
+    out = tmp_path / "hits.json"
+    model = str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn")
+    assert channel_hits.main(["--model", model, "--length", "1024", "--n", "1", "--chunk-size", "256",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["channels"]) == len(res["hit_rate"]) == 16 and len(res["votes_gold_vs_other"]) == 6
+    assert res["chunk_size"] == 256 and res["seed"] == 1 and "--chunk-size 256" in res["command"]
+
+
 def test_uuid_copy_errors_repeated_kgram():
     from bench.uuid_copy_errors import repeated_before
     gold = [1, 2, 3, 1, 2, 4, 1]
