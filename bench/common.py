@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 
@@ -61,7 +62,6 @@ def add_dev_draw_args(ap, model: str, length: str, n: int) -> None:
 
 def write_dev_draw(args, res: dict, argv: list[str], **extra) -> None:
     """Write a probe's result with what reproduces it (date, machine, arguments, command)."""
-    import sys
     write_json(args.out, {"date": today(), "machine": machine(), "model": args.model, "length": args.length,
                           "examples_per_task": args.n, "seed": args.seed, **extra,
                           "command": " ".join(["python", sys.argv[0], *argv]), **res})

@@ -18,6 +18,9 @@
     python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v3 --init-from models/tiny-mamba2-v2 \
         --layers 5 --conv 8 --bigram-heads 4 --heads 8 --offset-heads 6:3 --prepend-layers 1 \
         --new-layer-lr-mult 10 --freeze-new-mixer --phases bind-grow --lr 5e-4 --minutes 38 --threads 2
+    python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v4 --init-from models/tiny-mamba2-v3 \
+        --layers 5 --conv 8 --bigram-heads 4 --heads 8 --offset-heads 6:3 --freeze-mixer-layers 0 \
+        --phases uuid --lr 3e-4 --minutes 45 --threads 2
 """
 from __future__ import annotations
 

@@ -802,8 +802,8 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                           + (f"The new layer is an offset layer {offsets} (C reads t-a, B reads t-b, as sparse "
                              f"codes silu(3e - 3)) whose dt is fitted to write at number starts only "
                              f"(`fit_dt_gate`); " if offsets and mc["family"] == "mamba2" else "")
-                          + (("its x/B/C/dt projections, conv, dt_bias and A stay frozen (its z gate trains); "
-                              if mc["family"] == "mamba2" else "its q/k/v/conv/gates stay frozen; ")
+                          + (f"its {held} stay frozen"
+                             + (" (its z gate trains); " if mc["family"] == "mamba2" else "; ")
                              if tr.get("freeze_new_mixer") else "")
                           + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr.{frozen_text} "
                           f"Steps, tokens and wall time below are this run's only.")
