@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from bench.common import add_dev_draw_args, write_dev_draw  # noqa: E402
 from nbcore.config import NoteBankConfig  # noqa: E402
 from nbcore.evals.ruler_eval import coverage  # noqa: E402
-from nbcore.notebank.route import slot_scores, top_r  # noqa: E402
+from nbcore.notebank.route import channel_winners, top_r  # noqa: E402
 from nbcore.notebank.routers import RouteQuery  # noqa: E402
 from nbcore.reader import coords_for, ingest  # noqa: E402
 from nbcore.tasks import ruler  # noqa: E402
@@ -41,7 +41,7 @@ def channel_hits(bb, archive, state, question: str, answers: list[str]) -> tuple
     rq = RouteQuery(bb, state, archive, question, q_ids, answers, coords_for(bb, archive.config))
     u = rq.probe()                                                   # [Q, J, d_rho]
     keys = archive.routing_keys()                                    # [J*m, N, d_rho]
-    winners = slot_scores(u, keys, archive.config.addr_positions).argmax(dim=1).numpy()   # [J]
+    winners = channel_winners(u, keys, archive.config.addr_positions).numpy()          # [J]
     votes = np.bincount(winners, minlength=len(texts)).astype(np.float64)
     top = top_r(votes, 2, archive.starts)
     other = votes[~gold].max() if (~gold).any() else 0.0

@@ -58,6 +58,12 @@ def slot_scores(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor
     return s.view(-1, m, s.shape[1]).amax(dim=1)
 
 
+def channel_winners(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
+    """Eq. 5's per-channel choice: winners [J] (int64) = the note each channel votes for,
+    the earlier-inserted note on ties. u: [Q, J, d]; keys: [J*m, N, d] with N >= 1."""
+    return slot_scores(u, keys, m).argmax(dim=1)                             # first max on ties
+
+
 def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: torch.Tensor | None = None,
                  m: int = 1) -> torch.Tensor:
     """Vectorised Eq. 5 -> votes [N] (int64). Pass `keys` (Archive.routing_keys()) to skip
@@ -67,8 +73,7 @@ def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: t
     N = keys.shape[1]
     if N == 0:
         return torch.zeros(0, dtype=torch.int64)
-    winners = slot_scores(u, keys, m).argmax(dim=1)                          # [J], first max on ties
-    return torch.bincount(winners, minlength=N)
+    return torch.bincount(channel_winners(u, keys, m), minlength=N)
 
 
 def margin_votes(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
