@@ -69,6 +69,12 @@ def main(argv=None) -> int:
                     help="GDN offset-induction heads per layer, e.g. 6:3 (q reads t-6, k reads t-3); "
                          "Mamba-2: one per layer from the first (all B/C dims; dt gate fitted when grown)")
     ap.add_argument("--conv", type=int, default=4, help="short-conv kernel size")
+    ap.add_argument("--state", type=int, default=64,
+                    help="Mamba-2 state size per B/C group. With --init-from a smaller state, the new dims "
+                         "start near 0 (see grow_from)")
+    ap.add_argument("--groups", type=int, default=1,
+                    help="Mamba-2 B/C groups (n_groups; must divide the heads). With --init-from a "
+                         "model with fewer groups, each new group starts as a copy of its source group")
     ap.add_argument("--init-from", default=None,
                     help="HF model dir to grow from (same family and tokenizer; see grow_from)")
     ap.add_argument("--prepend-layers", type=int, default=0,
@@ -119,7 +125,8 @@ def main(argv=None) -> int:
     tok_dir = out if (out / "tokenizer.json").is_file() else (Path(args.init_from) if args.init_from else None)
     tok = load_tokenizer(tok_dir) if tok_dir else build_tokenizer()
     mc = bb.ModelConfig(family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads, mlp=args.mlp,
-                        conv=args.conv, bigram_heads=args.bigram_heads, window_heads=args.window_heads,
+                        conv=args.conv, state=args.state, groups=args.groups,
+                        bigram_heads=args.bigram_heads, window_heads=args.window_heads,
                         offset_heads=tuple(tuple(int(x) for x in o.split(":")) for o in args.offset_heads))
     phases = args.phases or ("grow" if args.init_from else "scratch")
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,

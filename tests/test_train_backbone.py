@@ -320,3 +320,75 @@ def test_mamba2_grow_keeps_logits_and_frozen_offset_layer_stays_built(tok, mamba
         a, b = getattr(new, name), getattr(ref, name)
         assert torch.equal(a.weight if hasattr(a, "weight") else a, b.weight if hasattr(b, "weight") else b), name
     assert new.out_proj.weight.abs().sum() > 0
+
+
+# ---- Mamba-2 B/C capacity: more groups, larger state (grow_from's _grow_bc) ----
+
+def test_mamba2_groups_start_alike(tok):
+    """--groups 2: every group's B/C in_proj rows and conv taps equal group 0's (offset layer too);
+    groups must divide the heads and are a Mamba-2 option only."""
+    for offset in ((), ((6, 3),)):
+        m = _mamba2(tok, layers=1, conv=8, groups=2, offset_heads=offset)
+        mix = m.backbone.layers[0].mixer
+        inter, st, G = mix.intermediate_size, mix.ssm_state_size, mix.n_groups
+        assert G == 2 and mix.in_proj.weight.shape[0] == 2 * inter + 2 * G * st + mix.num_heads
+        w, cw, cb = mix.in_proj.weight, mix.conv1d.weight, mix.conv1d.bias
+        for i in (0, 1):  # B, C
+            r, c = 2 * inter + i * G * st, inter + i * G * st
+            assert torch.equal(w[r:r + st], w[r + st:r + 2 * st])
+            assert torch.equal(cw[c:c + st], cw[c + st:c + 2 * st]) and torch.equal(cb[c:c + st], cb[c + st:c + 2 * st])
+        one = build_model(ModelConfig(family="mamba2", hidden=32, head_dim=16, state=16, heads=4, bigram_heads=2,
+                                      layers=1, conv=8, offset_heads=offset), tok).backbone.layers[0].mixer
+        assert torch.equal(cw[inter:inter + st], one.conv1d.weight[inter:inter + st])  # same recipe as 1 group
+    with pytest.raises(ValueError, match="divide"):
+        _mamba2(tok, layers=1, groups=3)
+    with pytest.raises(ValueError, match="Mamba-2 option"):
+        build_model(ModelConfig(groups=2), tok)
+
+
+def test_mamba2_grow_state_keeps_logits_and_new_dims_learn(tok, mamba2_source):
+    """state 16 -> 32: the source's dims are copied into the first half of every B/C group, the new
+    dims start at NEW_STATE_SCALE x the fresh induction init (conv bias 0), the logits barely move,
+    and the new dims get a gradient (not the zero-init saddle)."""
+    from nbcore.training.backbone import NEW_STATE_SCALE, grow_from
+    src_dir, src = mamba2_source
+    torch.manual_seed(0)
+    big = _mamba2(tok, layers=2, state=32)
+    fresh = {k: v.clone() for k, v in big.state_dict().items()}
+    rep = grow_from(big, src_dir)
+    assert rep["bc_grown"] == 6 and rep["new"] == []
+    mix, smix = big.backbone.layers[1].mixer, src.backbone.layers[1].mixer
+    inter = mix.intermediate_size
+    for i in (0, 1):  # B, C rows of in_proj
+        r_big, r_src = 2 * inter + 32 * i, 2 * inter + 16 * i
+        assert torch.equal(mix.in_proj.weight[r_big:r_big + 16], smix.in_proj.weight[r_src:r_src + 16])
+        key = "backbone.layers.1.mixer.in_proj.weight"
+        assert torch.equal(mix.in_proj.weight[r_big + 16:r_big + 32], NEW_STATE_SCALE * fresh[key][r_big + 16:r_big + 32])
+        assert torch.all(mix.conv1d.bias[inter + 32 * i + 16:inter + 32 * (i + 1)] == 0)
+    assert torch.equal(mix.in_proj.weight[-mix.num_heads:], smix.in_proj.weight[-smix.num_heads:])  # dt rows
+    ids = torch.randint(5, len(tok), (2, 63))
+    with torch.no_grad():
+        a, b = src(input_ids=ids).logits, big(input_ids=ids).logits
+    assert (a - b).abs().max() < 0.05 and not torch.equal(a, b)
+    big(input_ids=ids).logits.sum().backward()
+    g = mix.in_proj.weight.grad
+    assert g[2 * inter + 16:2 * inter + 32].abs().sum() > 0 and g[2 * inter + 48:2 * inter + 64].abs().sum() > 0
+
+
+def test_mamba2_grow_groups_copies_exactly_up_to_the_grouped_norm(tok, mamba2_source):
+    """1 -> 2 groups: with the gated norm over all of d_inner (as with 1 group) the grown model's
+    logits equal the source's, so the B/C copy is exact; transformers' real per-group norm changes
+    them (the documented reason grow_from's group growth is not function-preserving)."""
+    from nbcore.training.backbone import grow_from
+    src_dir, src = mamba2_source
+    big = _mamba2(tok, layers=2, groups=2)
+    assert grow_from(big, src_dir)["bc_grown"] == 6
+    ids = torch.randint(5, len(tok), (2, 63))
+    with torch.no_grad():
+        a, grouped = src(input_ids=ids).logits, big(input_ids=ids).logits
+        for layer in big.backbone.layers:
+            layer.mixer.norm.group_size = layer.mixer.intermediate_size
+        torch.testing.assert_close(big(input_ids=ids).logits, a, rtol=0, atol=1e-5)
+    assert (grouped - a).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="cannot grow"):  # fewer groups / smaller state than the source
+        grow_from(_mamba2(tok, layers=2, state=8), src_dir)

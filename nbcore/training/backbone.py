@@ -48,7 +48,9 @@ class ModelConfig:
     heads: int = 4  # GDN key/value heads; Mamba-2 heads = 2*hidden/head_dim
     head_dim: int = 32
     mlp: int = 256  # GDN MLP width
-    state: int = 64  # Mamba-2 state size
+    state: int = 64  # Mamba-2 state size (per B/C group)
+    groups: int = 1  # Mamba-2 B/C groups (n_groups): heads/groups heads share one key (B) / query (C)
+    # code. Each group gets the same init; grown from fewer groups, each copies its source group
     conv: int = 4
     emb_std: float = 0.02  # tied embeddings std
     identity_init: bool = True  # q/k/v/out projections start as identity slices (see _init_gdn)
@@ -125,6 +127,8 @@ def build_model(mc: ModelConfig, tok):
     ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id)
     if mc.family == "gdn":
+        if mc.groups != 1:
+            raise ValueError("groups is a Mamba-2 option (GDN has a key per head already)")
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
         cfg = Qwen3_5TextConfig(
             vocab_size=len(tok), hidden_size=mc.hidden, intermediate_size=mc.mlp,
@@ -142,9 +146,11 @@ def build_model(mc: ModelConfig, tok):
         inter = 2 * mc.hidden
         cfg = Mamba2Config(
             vocab_size=len(tok), hidden_size=mc.hidden, num_hidden_layers=mc.layers,
-            expand=2, head_dim=mc.head_dim, num_heads=inter // mc.head_dim, n_groups=1,
+            expand=2, head_dim=mc.head_dim, num_heads=inter // mc.head_dim, n_groups=mc.groups,
             state_size=mc.state, conv_kernel=mc.conv, chunk_size=128, tie_word_embeddings=True,
             use_cache=False, **ids)
+        if (inter // mc.head_dim) % mc.groups:
+            raise ValueError(f"groups={mc.groups} must divide the {inter // mc.head_dim} Mamba-2 heads")
         model = Mamba2ForCausalLM(cfg)
         if mc.bigram_heads > mc.heads:
             raise ValueError(f"bigram_heads={mc.bigram_heads} > heads={mc.heads}")
@@ -279,41 +285,73 @@ def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0, offset: tup
     ``offset`` (a, b): the GDN offset head (see ``_init_gdn``) for a whole layer: every C dim
     reads token t-a, every B dim t-b, x reads t. With one shared B/C group an offset cannot be
     given to some heads only; the layer's dt write gate (``fit_dt_gate``) decides where it writes."""
-    inter, st, hid = m.intermediate_size, m.n_groups * m.ssm_state_size, m.hidden_size
-    w = m.in_proj.weight  # rows: gate(inter) | x(inter) | B(st) | C(st) | dt(heads)
-    xb = inter  # start of the conv block
-    b0, c0 = xb + inter, xb + inter + st
+    inter, st, hid, G = m.intermediate_size, m.ssm_state_size, m.hidden_size, m.n_groups
+    w = m.in_proj.weight  # rows: gate(inter) | x(inter) | B(G*st) | C(G*st) | dt(heads)
+    xb = inter  # start of the conv block; conv channels: x(inter) | B(G*st) | C(G*st)
     if identity:
         w[xb:xb + inter] = _eye(inter, hid)
-        w[c0:c0 + st] = _eye(st, hid)
         m.out_proj.weight.copy_(_eye(inter, hid).T * (hid / inter))
-    w[b0:b0 + st] = w[c0:c0 + st]  # B (key) = C (query)
     _conv_taps(m.conv1d, slice(0, inter), 0)  # x (value) reads t
-    uni = st - int(round(bigram_frac * st))  # B/C dims [uni, st) get the bigram taps
-    _conv_taps(m.conv1d, slice(inter, inter + uni), 1)  # B reads t-1
-    _conv_taps(m.conv1d, slice(inter + st, inter + st + uni), 0)  # C reads t
-    if uni < st:
-        _conv_taps(m.conv1d, slice(inter + uni, inter + st), 1, also=2)  # B reads t-1, t-2
-        _conv_taps(m.conv1d, slice(inter + st + uni, inter + 2 * st), 0, also=1)  # C reads t, t-1
+    uni = st - int(round(bigram_frac * st))  # B/C dims [uni, st) of every group get the bigram taps
     if offset is not None:
         a, b = offset
         K = m.conv1d.weight.shape[-1]
         if not (0 <= a < K and 0 < b < K):
             raise ValueError(f"offset lags {(a, b)} must be < conv size {K} (k lag >= 1)")
-        bc = slice(inter, inter + 2 * st)
-        _conv_taps(m.conv1d, slice(inter, inter + st), b)            # B (key) reads t-b
-        _conv_taps(m.conv1d, slice(inter + st, inter + 2 * st), a)   # C (query) reads t-a
+    for g in range(G):  # every group starts alike (heads h of group h // (heads/G) read it)
+        bw, cw = xb + inter + g * st, xb + inter + G * st + g * st   # in_proj rows of B_g, C_g
+        bc, cc = inter + g * st, inter + G * st + g * st             # conv channels of B_g, C_g
+        if identity:
+            w[cw:cw + st] = _eye(st, hid)
+        w[bw:bw + st] = w[cw:cw + st]  # B (key) = C (query)
+        _conv_taps(m.conv1d, slice(bc, bc + uni), 1)  # B reads t-1
+        _conv_taps(m.conv1d, slice(cc, cc + uni), 0)  # C reads t
+        if uni < st:
+            _conv_taps(m.conv1d, slice(bc + uni, bc + st), 1, also=2)  # B reads t-1, t-2
+            _conv_taps(m.conv1d, slice(cc + uni, cc + st), 0, also=1)  # C reads t, t-1
+        if offset is not None:
+            _conv_taps(m.conv1d, slice(bc, bc + st), b)  # B (key) reads t-b
+            _conv_taps(m.conv1d, slice(cc, cc + st), a)  # C (query) reads t-a
+    if offset is not None:
         # sparse keys: B, C = silu(3 e - 3), about the dims where the normed embedding exceeds 1.
         # Mamba-2 neither normalises B/C nor erases, and silu(e) has a positive mean, so plain
         # silu(e) codes of different tokens overlap: the fitted-gate read-out found the gold first
         # digit in 8/20 multikey haystacks with them, 19/20 with these (bench/mamba2_offset_probe.py)
-        m.conv1d.weight.data[bc] *= OFFSET_KEY_GAIN
-        m.conv1d.bias.data[bc] = -OFFSET_KEY_GAIN * OFFSET_KEY_THRESHOLD
+        bcs = slice(inter, inter + 2 * G * st)
+        m.conv1d.weight.data[bcs] *= OFFSET_KEY_GAIN
+        m.conv1d.bias.data[bcs] = -OFFSET_KEY_GAIN * OFFSET_KEY_THRESHOLD
     h = m.num_heads
     # decay exp(-A*dt): A in [0.005, 0.05], dt = softplus(dt_bias) ~ 0.25 (writes stay strong)
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
     m.dt_bias.fill_(math.log(math.expm1(0.25)))
     m.D.fill_(0.0)
+
+
+# in_proj rows of grown Mamba-2 state dims (B and C each). On tiny-mamba2-v4 (state 64 -> 128) the logits
+# moved <= 0.1 with 0.01 (argmax unchanged), <= 2 with 0.03, <= 11 with 0.1 (300 random tokens)
+NEW_STATE_SCALE = 0.01
+
+
+def _grow_bc(w: torch.Tensor, fresh: torch.Tensor, name: str, src_cfg, dst_cfg) -> torch.Tensor:
+    """A Mamba-2 mixer tensor whose rows are [pre | B(G st) | C(G st) | post] (in_proj: pre = z|x,
+    post = dt; conv1d: pre = x) from the source's (G_s, st_s) to the destination's (G, st) layout.
+    ``fresh``: the destination's freshly initialised tensor (the new state dims' init)."""
+    g_s, st_s, g, st = src_cfg.n_groups, src_cfg.state_size, dst_cfg.n_groups, dst_cfg.state_size
+    if g % g_s or st < st_s:
+        raise ValueError(f"cannot grow {name}: B/C groups x state {g_s}x{st_s} -> {g}x{st}")
+    pre = (2 if name.endswith("in_proj.weight") else 1) * dst_cfg.expand * dst_cfg.hidden_size
+    out = fresh.clone()
+    for i in (0, 1):  # B, C
+        s0, d0 = pre + i * g_s * st_s, pre + i * g * st
+        blk = out[d0:d0 + g * st].view(g, st, *out.shape[1:])             # [G, st, ...] (a view)
+        if name.endswith("in_proj.weight"):
+            blk[:, st_s:] *= NEW_STATE_SCALE
+        elif name.endswith("bias"):
+            blk[:, st_s:] = 0.0
+        blk[:, :st_s] = w[s0:s0 + g_s * st_s].view(g_s, st_s, *w.shape[1:]).repeat_interleave(g // g_s, 0)
+    out[:pre] = w[:pre]
+    out[pre + 2 * g * st:] = w[pre + 2 * g_s * st_s:]
+    return out
 
 
 @torch.no_grad()
@@ -328,16 +366,27 @@ def grow_from(model, src_dir: str | Path, prepend: int = 0) -> dict:
       the two projections back into the residual stream (attention out_proj, MLP down_proj), which
       start at 0: a new layer adds nothing until training gives it a reason to. ``prepend`` of
       them go before the source's layers (they then read the raw token embeddings, where token
-      identity is sharp), the rest after.
-    Returns {"copied": n, "conv_padded": n, "new": [names]}.
+      identity is sharp), the rest after;
+    * Mamba-2 B/C (key/query) codes can grow in two ways (``_grow_bc``):
+      - a larger state (``state`` > the source's): the source's state dims come first in every
+        group; the new ones keep the fresh init's induction taps, with their in_proj rows scaled
+        by ``NEW_STATE_SCALE`` and conv bias 0, so they add only O(scale^2) to the output at step 0
+        (exactly 0 would be a saddle: B's gradient is proportional to C and vice versa); Adam's
+        scale-free steps grow them as fast as they help;
+      - more groups (``groups`` a multiple of the source's): each group copies the source group
+        its heads read. Not function-preserving: transformers' gated RMSNorm normalises each
+        group's slice of the read-out on its own, which on tiny-mamba2-v4 (1 -> 8 groups) changed
+        99% of the argmax tokens; tests pin that the copy itself is exact.
+    Returns {"copied": n, "conv_padded": n, "bc_grown": n, "new": [names]}.
     """
     from transformers import AutoModelForCausalLM
-    src = AutoModelForCausalLM.from_pretrained(src_dir).state_dict()
+    src_model = AutoModelForCausalLM.from_pretrained(src_dir)
+    src = src_model.state_dict()
     if prepend:  # source layer i becomes layer i + prepend
         src = {re.sub(r"(\.layers\.)(\d+)\.", lambda g: f"{g[1]}{int(g[2]) + prepend}.", k): v
                for k, v in src.items()}
     dst = model.state_dict()
-    rep = {"copied": 0, "conv_padded": 0, "new": []}
+    rep = {"copied": 0, "conv_padded": 0, "bc_grown": 0, "new": []}
     for name, t in dst.items():
         if name not in src:
             rep["new"].append(name)
@@ -345,15 +394,16 @@ def grow_from(model, src_dir: str | Path, prepend: int = 0) -> dict:
                 t.zero_()
             continue
         w = src[name]
-        if w.shape == t.shape:
-            t.copy_(w)
-            rep["copied"] += 1
-        elif name.endswith("conv1d.weight") and w.shape[:-1] == t.shape[:-1] and w.shape[-1] < t.shape[-1]:
-            t.zero_()
-            t[..., -w.shape[-1]:] = w
+        if name.endswith("conv1d.weight") and w.shape[-1] < t.shape[-1]:
+            w = torch.cat([w.new_zeros(*w.shape[:-1], t.shape[-1] - w.shape[-1]), w], -1)
             rep["conv_padded"] += 1
-        else:
-            raise ValueError(f"cannot grow {name}: source {tuple(w.shape)} -> {tuple(t.shape)}")
+        if w.shape != t.shape and re.search(r"mixer\.(in_proj\.weight|conv1d\.(weight|bias))$", name):
+            w = _grow_bc(w, t, name, src_model.config, model.config)
+            rep["bc_grown"] += 1
+        if w.shape != t.shape:
+            raise ValueError(f"cannot grow {name}: source {tuple(src[name].shape)} -> {tuple(t.shape)}")
+        t.copy_(w)
+        rep["copied"] += 1
     missing = sorted(set(src) - set(dst))
     if missing:
         raise ValueError(f"grown model lacks source parameters {missing[:4]}...")
