@@ -392,3 +392,17 @@ def test_mamba2_grow_groups_copies_exactly_up_to_the_grouped_norm(tok, mamba2_so
     assert (grouped - a).abs().max() > 1e-3
     with pytest.raises(ValueError, match="cannot grow"):  # fewer groups / smaller state than the source
         grow_from(_mamba2(tok, layers=2, state=8), src_dir)
+
+
+def test_train_a_state_grown_mamba2_and_its_readme(tok, mamba2_source, tmp_path):
+    """--init-from a state-16 model with --state 32: train runs, the model card names the growth
+    and its reproduce command carries --state."""
+    from nbcore.training.backbone import TrainConfig, train, write_readme
+    src_dir, _ = mamba2_source
+    mc = ModelConfig(family="mamba2", hidden=32, head_dim=16, state=32, heads=4, bigram_heads=2, layers=2)
+    tc = TrainConfig(minutes=0.02, tokens_per_step=256, threads=1, init_from=str(src_dir))
+    model, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=lambda s: None)
+    assert meta["steps"] >= 1 and model.config.state_size == 32
+    write_readme(tmp_path / "model", meta, [])
+    text = (tmp_path / "model" / "README.md").read_text()
+    assert "state 16 -> 32" in text and "--state 32" in text and "state 32, 1 B/C group(s)" in text

@@ -813,7 +813,9 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
     flags = (f"--family {mc['family']} --out models/{out_dir.name} --minutes {tr['minutes']:g} --seed {tr['seed']}"
              f" --layers {mc['layers']} --hidden {mc['hidden']} --heads {mc['heads']} --mlp {mc['mlp']}"
              f" --tokens-per-step {tr['tokens_per_step']} --lr {tr['lr']:g} --threads {tr['threads']}"
-             + (f" --bigram-heads {bigram}" if bigram else ""))
+             + (f" --bigram-heads {bigram}" if bigram else "")
+             + (f" --state {mc['state']}" if mc["family"] == "mamba2" and mc.get("state", 64) != 64 else "")
+             + (f" --groups {mc['groups']}" if mc.get("groups", 1) != 1 else ""))
     grown_text, title = "", "trained from scratch on CPU"
     src = meta.get("init_from")
     if src:  # a grown model (grow_from): its own flags, and where it started
@@ -836,7 +838,21 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                 else "q/k/v/conv/gates")   # what _freeze_mixer holds per family
         frozen_text = (f" The {held} of layer(s) {', '.join(map(str, frozen))} stay as loaded "
                        f"(only their read-out trains)." if frozen else "")
-        if mc["layers"] == src_layers and str(src_conv) == str(mc["conv"]):  # same shapes: a continuation
+        src_cfg = json.loads((Path(src["path"]) / "config.json").read_text())  # the source's own shapes
+        src_bc = (src_cfg.get("state_size", 64), src_cfg.get("n_groups", 1))
+        bc = (mc.get("state", 64), mc.get("groups", 1))
+        bc_text = "" if mc["family"] != "mamba2" or bc == src_bc else (
+            f"\n- B/C codes grown by `grow_from` (`_grow_bc`): state {src_bc[0]} -> {bc[0]}, B/C groups "
+            f"{src_bc[1]} -> {bc[1]}. The source's state dims are copied into every group; new state dims "
+            f"start at {NEW_STATE_SCALE:g} x the fresh induction init (their B x C term is ~1e-4 of a trained "
+            f"one), so the run starts from the source's answers and Adam grows them as they help."
+            + (" More groups change transformers' per-group gated norm, so the start is not the source's "
+               "output." if bc[1] != src_bc[1] else ""))
+        if mc["layers"] == src_layers and str(src_conv) == str(mc["conv"]) and bc_text:  # B/C grown only
+            title = f"grown from {Path(src['path']).name} (B/C state) and trained on CPU"
+            grown_text = (f"\n- Started from `{src['path']}`{trained}; every other tensor copied.{frozen_text}"
+                          f" Steps, tokens and wall time below are this run's only.{bc_text}")
+        elif mc["layers"] == src_layers and str(src_conv) == str(mc["conv"]):  # same shapes: a continuation
             title = f"continued from {Path(src['path']).name} on CPU"
             grown_text = (f"\n- Continued from `{src['path']}`{trained} (same shapes: every tensor copied, "
                           f"so the run starts from exactly that model; see its README for how it was "
@@ -857,9 +873,11 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                              if tr.get("freeze_new_mixer") else "")
                           + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr.{frozen_text} "
                           f"Steps, tokens and wall time below are this run's only.")
+    ssm_text = (f" state {mc.get('state', 64)}, {mc.get('groups', 1)} B/C group(s),"
+                if mc["family"] == "mamba2" else "")
     text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone {title}
 
-Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},
+Architecture: {arch}; {mc['layers']} layers, hidden {mc['hidden']}, head dim {mc['head_dim']},{ssm_text}
 conv {mc['conv']}, tied embeddings, {meta['params']:,} parameters, {size / 2**20:.1f} MiB on disk
 (fp32 safetensors). Tokenizer: the project BPE (`nbcore/tasks/tokenizer.py`, 2,048 entries,
 single-digit tokens). {cache_note}
