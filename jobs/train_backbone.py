@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--state", type=int, default=64,
                     help="Mamba-2 state size per B/C group. With --init-from a smaller state, the new dims "
                          "start near 0 (see grow_from)")
+    ap.add_argument("--new-state-scale", type=float, default=bb.NEW_STATE_SCALE,
+                    help="with --init-from a smaller --state: the new state dims' in_proj rows, x the fresh init")
     ap.add_argument("--groups", type=int, default=1,
                     help="Mamba-2 B/C groups (n_groups; must divide the heads). With --init-from a "
                          "model with fewer groups, each new group starts as a copy of its source group")
@@ -134,6 +136,7 @@ def main(argv=None) -> int:
                         grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
                         freeze_new_mixer=args.freeze_new_mixer,
                         freeze_mixer_layers=tuple(args.freeze_mixer_layers),
+                        new_state_scale=args.new_state_scale,
                         phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0

@@ -348,14 +348,14 @@ def test_mamba2_groups_start_alike(tok):
 
 def test_mamba2_grow_state_keeps_logits_and_new_dims_learn(tok, mamba2_source):
     """state 16 -> 32: the source's dims are copied into the first half of every B/C group, the new
-    dims start at NEW_STATE_SCALE x the fresh induction init (conv bias 0), the logits barely move,
+    dims start at new_state_scale x the fresh induction init (conv bias 0), the logits barely move,
     and the new dims get a gradient (not the zero-init saddle)."""
-    from nbcore.training.backbone import NEW_STATE_SCALE, grow_from
+    from nbcore.training.backbone import grow_from
     src_dir, src = mamba2_source
     torch.manual_seed(0)
     big = _mamba2(tok, layers=2, state=32)
     fresh = {k: v.clone() for k, v in big.state_dict().items()}
-    rep = grow_from(big, src_dir)
+    rep = grow_from(big, src_dir, new_state_scale=0.01)
     assert rep["bc_grown"] == 6 and rep["new"] == []
     mix, smix = big.backbone.layers[1].mixer, src.backbone.layers[1].mixer
     inter = mix.intermediate_size
@@ -363,7 +363,7 @@ def test_mamba2_grow_state_keeps_logits_and_new_dims_learn(tok, mamba2_source):
         r_big, r_src = 2 * inter + 32 * i, 2 * inter + 16 * i
         assert torch.equal(mix.in_proj.weight[r_big:r_big + 16], smix.in_proj.weight[r_src:r_src + 16])
         key = "backbone.layers.1.mixer.in_proj.weight"
-        assert torch.equal(mix.in_proj.weight[r_big + 16:r_big + 32], NEW_STATE_SCALE * fresh[key][r_big + 16:r_big + 32])
+        assert torch.equal(mix.in_proj.weight[r_big + 16:r_big + 32], 0.01 * fresh[key][r_big + 16:r_big + 32])
         assert torch.all(mix.conv1d.bias[inter + 32 * i + 16:inter + 32 * (i + 1)] == 0)
     assert torch.equal(mix.in_proj.weight[-mix.num_heads:], smix.in_proj.weight[-smix.num_heads:])  # dt rows
     ids = torch.randint(5, len(tok), (2, 63))
