@@ -21,6 +21,11 @@
     python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v4 --init-from models/tiny-mamba2-v3 \
         --layers 5 --conv 8 --bigram-heads 4 --heads 8 --offset-heads 6:3 --freeze-mixer-layers 0 \
         --phases uuid --lr 3e-4 --minutes 45 --threads 2
+    # the same continuation with twice the B/C state (v4's 64 dims copied, 64 new ones at 0.3 x the
+    # induction init; tiny-mamba2-v6, not shipped: bench/results/tiny-mamba2-growth.md):
+    python jobs/train_backbone.py --family mamba2 --out models/tiny-mamba2-v6 --init-from models/tiny-mamba2-v4 \
+        --layers 5 --conv 8 --bigram-heads 4 --heads 8 --offset-heads 6:3 --state 128 --freeze-mixer-layers 0 \
+        --phases uuid --lr 3e-4 --minutes 72 --threads 2 --seed 2
 """
 from __future__ import annotations
 
