@@ -256,7 +256,7 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
         from nbcore.evals.report import write_report
         return write_report(drop_repeated_measurements(df), cfg.output, cfg.report_title, meta=_report_meta(cfg, cells))
 
-    summary = finish_sweep(cfg.output, report)
+    summary = finish_sweep(cfg.output, report, key=MEASUREMENT_KEY)
     return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - missing,
             "cells_failed": len(failed), "cells_missing": missing if cfg.report_only else len(failed),
             "tokens": sum(r["n_tokens"] for r in results), "wall_s": round(time.perf_counter() - t0, 2),

@@ -78,11 +78,19 @@ def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
     return pa.concat_tables(tables, promote_options="default")
 
 
-def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: list[dict] | None = None) -> dict:
+def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: list[dict] | None = None,
+                 key: list[str] | None = None) -> dict:
     """Gather the finished cells (of `cells` when given) into <output>/results.parquet, committed like a
     cell, then report(rows as a DataFrame) when `output` is on the local file system (the reports
-    write with plain file I/O). -> report's summary, or {} when there are no rows or no report."""
+    write with plain file I/O). -> report's summary, or {} when there are no rows or no report.
+
+    With `key` (the columns that name one measurement), rows of an existing results.parquet whose key
+    no finished cell measured are kept: `cells/` is scratch (git-ignored), results.parquet is what a
+    repository ships, so a fresh clone that runs a slice of a sweep adds to the shipped rows instead
+    of replacing them. A cell's rows win over an older row with the same key."""
     rows = collect(output, cells)
+    if key is not None:
+        rows = _with_previous_rows(rows, output.rstrip("/") + "/results.parquet", key)
     if rows is None or not rows.num_rows:
         return {}
     commit_parquet(rows, output.rstrip("/") + "/results.parquet")
@@ -90,3 +98,27 @@ def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: lis
     if fs.protocol in ("file", ("file", "local")) or "://" not in output:
         return report(rows.to_pandas())
     return {}
+
+
+def _with_previous_rows(rows: pa.Table | None, results_url: str, key: list[str]) -> pa.Table | None:
+    """`rows` plus the rows of `results_url` (if it exists) whose `key` is not among `rows`."""
+    fs, path = fsspec.core.url_to_fs(results_url)
+    if not fs.exists(path):
+        return rows
+    with fs.open(path, "rb") as f:
+        old = pq.read_table(f)
+    if rows is None or not rows.num_rows:
+        return old
+    missing = [k for k in key if k not in old.column_names or k not in rows.column_names]
+    if missing:
+        raise ValueError(f"{results_url} lacks the measurement key columns {missing}; not overwriting it")
+    new_keys = set(zip(*(rows.column(k).to_pylist() for k in key)))
+    keep = [k not in new_keys for k in zip(*(old.column(k).to_pylist() for k in key))]
+    kept = old.filter(pa.array(keep, pa.bool_()))
+    if not kept.num_rows:
+        return rows
+    try:
+        return pa.concat_tables([rows, kept], promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise ValueError(f"{results_url} has rows whose columns do not match the new cells' ({e}); "
+                         f"not overwriting it") from e

@@ -318,3 +318,29 @@ def test_ruler_config_generates_enough_tokens_for_every_answer():
     assert longest >= 30                       # the check is not vacuous: uuids are that long
     assert longest + 8 <= budget, (longest, budget)
     assert EvalJobConfig().max_new_tokens >= longest + 8
+
+
+def test_finish_sweep_keeps_shipped_rows_a_fresh_clone_lacks_cells_for(tmp_path):
+    """results.parquet is shipped, cells/ is not: a sweep slice run on a fresh clone adds its rows to
+    the shipped ones (a re-measured key takes the new row) instead of replacing the file."""
+    import pyarrow as pa
+    from pipeline.evaluate import MEASUREMENT_KEY
+    from pipeline.fanout import commit_parquet, finish_sweep
+    out = str(tmp_path)
+    row = lambda i, score: dict(backbone="b", budget="default", method="plain", task="t", length=4096,  # noqa: E731
+                                index=i, score=score)
+    for i in (0, 1):
+        commit_parquet(pa.Table.from_pylist([row(i, 10.0 * i)]), f"{out}/cells/b/default/t/4096/{i:04d}.parquet")
+    assert finish_sweep(out, lambda df: {"n": len(df)}, key=MEASUREMENT_KEY) == {"n": 2}
+    import shutil
+    shutil.rmtree(tmp_path / "cells")                          # a fresh clone: only results.parquet
+    commit_parquet(pa.Table.from_pylist([row(1, 99.0)]), f"{out}/cells/b/default/t/4096/0001.parquet")
+    commit_parquet(pa.Table.from_pylist([row(2, 5.0)]), f"{out}/cells/b/default/t/4096/0002.parquet")
+    assert finish_sweep(out, lambda df: {"n": len(df)}, key=MEASUREMENT_KEY) == {"n": 3}
+    got = pq.read_table(tmp_path / "results.parquet").to_pandas().set_index("index")["score"].to_dict()
+    assert got == {0: 0.0, 1: 99.0, 2: 5.0}
+    bad = pa.Table.from_pylist([{"index": 0, "score": 1.0}])   # no key columns: refuse, keep the file
+    commit_parquet(bad, f"{out}/results.parquet")
+    with pytest.raises(ValueError, match="key columns"):
+        finish_sweep(out, lambda df: {}, key=MEASUREMENT_KEY)
+    assert pq.read_table(tmp_path / "results.parquet").num_rows == 1
