@@ -344,3 +344,25 @@ def test_finish_sweep_keeps_shipped_rows_a_fresh_clone_lacks_cells_for(tmp_path)
     with pytest.raises(ValueError, match="key columns"):
         finish_sweep(out, lambda df: {}, key=MEASUREMENT_KEY)
     assert pq.read_table(tmp_path / "results.parquet").num_rows == 1
+
+
+def test_restore_cells_from_shipped_results(tmp_path):
+    """A fresh clone (results.parquet, no cells/) restores the cells whose every planned method has a
+    row, under the reported backbone and renamed methods; a cell missing a method is left to run."""
+    import pyarrow as pa
+    from pipeline.evaluate import restore_cells
+    from pipeline.fanout import commit_parquet, unfinished
+    out = str(tmp_path)
+    cell = lambda i, methods, names=None: dict(  # noqa: E731
+        backbone="entry", report_as="tiny", budget="default", task="t", length=4096, index=i, methods=methods,
+        method_names=names or {}, path=f"{out}/cells/entry/default/t/4096/{i:04d}.parquet")
+    row = lambda i, m: dict(backbone="tiny", budget="default", method=m, task="t", length=4096, index=i,  # noqa: E731
+                            score=1.0)
+    commit_parquet(pa.Table.from_pylist([row(0, "plain"), row(0, "nb-lora"), row(1, "plain")]),
+                   f"{out}/results.parquet")
+    cells = [cell(0, ["plain", "nb"], {"nb": "nb-lora"}), cell(1, ["plain", "nb"], {"nb": "nb-lora"})]
+    assert restore_cells(out, cells) == 1
+    assert [c["index"] for c in unfinished(out, cells)] == [1]
+    got = pq.read_table(cells[0]["path"]).to_pandas()
+    assert sorted(got["method"]) == ["nb-lora", "plain"]
+    assert restore_cells(out, cells) == 0                 # nothing more to restore
