@@ -242,8 +242,7 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     cells = plan_cells(cfg)
-    restore_cells(cfg.output, cells)
-    todo = unfinished(cfg.output, cells)
+    todo = restore_cells(cfg.output, unfinished(cfg.output, cells))
     missing = len(todo)
     if cfg.report_only:
         todo = []
@@ -267,38 +266,35 @@ def run_sweep(cfg: EvalJobConfig) -> dict:
 MEASUREMENT_KEY = ["backbone", "budget", "method", "task", "length", "index"]
 
 
-def restore_cells(output: str, cells: list[dict]) -> int:
+def restore_cells(output: str, todo: list[dict]) -> list[dict]:
     """Write back the cell files of a fresh clone from the shipped <output>/results.parquet, so a rerun
-    skips what was measured (`cells/` is git-ignored scratch). A missing cell is restored only when
-    the file holds a row for every method the cell plans (after `method_names`) under its reported
-    backbone, budget, task, length and example; else it runs. -> number of cells restored."""
+    skips what was measured (`cells/` is git-ignored scratch). A cell of `todo` (unfinished cells) is
+    restored only when the file holds a row for every method the cell plans (after `method_names`)
+    under its reported backbone, budget, task, length and example. -> the cells still to run."""
     import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline.fanout import commit_parquet
-    todo = unfinished(output, cells)
     fs, path = fsspec.core.url_to_fs(output.rstrip("/") + "/results.parquet")
     if not todo or not fs.exists(path):
-        return 0
+        return todo
     with fs.open(path, "rb") as f:
         df = pq.read_table(f).to_pandas()
     if not set(MEASUREMENT_KEY) <= set(df.columns):
-        return 0
+        return todo
     df = drop_repeated_measurements(df)
     groups = dict(iter(df.groupby(["backbone", "budget", "task", "length", "index"], sort=False)))
-    restored = 0
+    left = []
     for c in todo:
         rows = groups.get((c["report_as"], c["budget"], c["task"], c["length"], c["index"]))
-        if rows is None:
-            continue
         want = {(c.get("method_names") or {}).get(m, m) for m in c["methods"]}
-        rows = rows[rows["method"].isin(want)]
-        if set(rows["method"]) != want:
+        rows = None if rows is None else rows[rows["method"].isin(want)]
+        if rows is None or set(rows["method"]) != want:
+            left.append(c)
             continue
         commit_parquet(pa.Table.from_pandas(rows, preserve_index=False), c["path"])
-        restored += 1
-    return restored
+    return left
 
 
 def drop_repeated_measurements(df):

@@ -61,6 +61,15 @@ class ModelConfig:
     # Mamba-2: per *layer* from the first, all B/C state dims, since one B/C group serves every head)
 
 
+# in_proj rows of grown Mamba-2 state dims (B and C each), relative to the fresh induction init (rows
+# of norm 1; tiny-mamba2-v4's trained rows have norm ~2). Measured on v4 (state 64 -> 128): at 0.01 the
+# logits move <= 0.1 but after 820 steps (lr 3e-4) the new rows had only reached norm 0.06-0.11, i.e.
+# their B x C term was ~0.3% of the old dims' and the added capacity unused; at 0.3 the grown model
+# still reads single_3 / multikey / multiquery / single_1 90 / 65 / 87.5 / 100 at 1K (N=20; v4 at N=50:
+# 80 / 72 / 91 / 100), so training starts from v4's answers with the new dims already in play.
+NEW_STATE_SCALE = 0.3
+
+
 @dataclass
 class TrainConfig:
     minutes: float = 60.0
@@ -85,7 +94,7 @@ class TrainConfig:
     new_layer_lr_mult: float = 1.0  # with init_from: lr multiplier of the new layers' read-out (see train)
     freeze_new_mixer: bool = False  # with init_from: keep the new layers' q/k/v/conv/gates at their init
     freeze_mixer_layers: tuple = ()  # keep these layers' q/k/v/conv/gates as loaded (a built circuit)
-    new_state_scale: float = 0.3  # with init_from and a larger Mamba-2 state: see NEW_STATE_SCALE
+    new_state_scale: float = NEW_STATE_SCALE  # with init_from and a larger Mamba-2 state
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -326,15 +335,6 @@ def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0, offset: tup
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
     m.dt_bias.fill_(math.log(math.expm1(0.25)))
     m.D.fill_(0.0)
-
-
-# in_proj rows of grown Mamba-2 state dims (B and C each), relative to the fresh induction init (rows
-# of norm 1; tiny-mamba2-v4's trained rows have norm ~2). Measured on v4 (state 64 -> 128): at 0.01 the
-# logits move <= 0.1 but after 820 steps (lr 3e-4) the new rows had only reached norm 0.06-0.11, i.e.
-# their B x C term was ~0.3% of the old dims' and the added capacity unused; at 0.3 the grown model
-# still reads single_3 / multikey / multiquery / single_1 90 / 65 / 87.5 / 100 at 1K (N=20; v4 at N=50:
-# 80 / 72 / 91 / 100), so training starts from v4's answers with the new dims already in play.
-NEW_STATE_SCALE = 0.3
 
 
 def _grow_bc(w: torch.Tensor, fresh: torch.Tensor, name: str, src_cfg, dst_cfg,
