@@ -280,7 +280,8 @@ def restore_cells(output: str, todo: list[dict]) -> list[dict]:
     if not todo or not fs.exists(path):
         return todo
     with fs.open(path, "rb") as f:
-        df = pq.read_table(f).to_pandas()
+        shipped = pq.read_table(f)
+    df = shipped.to_pandas()
     if not set(MEASUREMENT_KEY) <= set(df.columns):
         return todo
     df = drop_repeated_measurements(df)
@@ -293,7 +294,9 @@ def restore_cells(output: str, todo: list[dict]) -> list[dict]:
         if rows is None or set(rows["method"]) != want:
             left.append(c)
             continue
-        commit_parquet(pa.Table.from_pandas(rows, preserve_index=False), c["path"])
+        # the shipped file's Arrow types, not pandas' (its str columns come back as large_string, and
+        # collect() cannot concatenate a restored cell with a freshly run one: string vs large_string)
+        commit_parquet(pa.Table.from_pandas(rows, schema=shipped.schema, preserve_index=False), c["path"])
     return left
 
 

@@ -351,7 +351,7 @@ def test_restore_cells_from_shipped_results(tmp_path):
     row, under the reported backbone and renamed methods; a cell missing a method is left to run."""
     import pyarrow as pa
     from pipeline.evaluate import restore_cells
-    from pipeline.fanout import commit_parquet, unfinished
+    from pipeline.fanout import collect, commit_parquet, unfinished
     out = str(tmp_path)
     cell = lambda i, methods, names=None: dict(  # noqa: E731
         backbone="entry", report_as="tiny", budget="default", task="t", length=4096, index=i, methods=methods,
@@ -366,3 +366,7 @@ def test_restore_cells_from_shipped_results(tmp_path):
     got = pq.read_table(cells[0]["path"]).to_pandas()
     assert sorted(got["method"]) == ["nb-lora", "plain"]
     assert [c["index"] for c in restore_cells(out, unfinished(out, cells))] == [1]   # nothing more to restore
+    # the rerun then measures cell 1 (written as run_cell writes it) and gathers restored + fresh cells
+    commit_parquet(pa.Table.from_pylist([row(1, "plain"), row(1, "nb-lora")]), cells[1]["path"])
+    assert pq.read_table(cells[0]["path"]).schema.field("method").type == pa.string()
+    assert sorted(collect(out, cells).column("index").to_pylist()) == [0, 0, 1, 1]
