@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     prompt_share = sum(sum(t in set(pieces) for t in ids[:s]) for ids, s in exs) / sum(s for _, s in exs)
     print(f"{len(pieces)} uuid-like pieces; they are {prompt_share:.1%} of the prompt tokens "
           f"({len(exs)} examples at 1K/2K)")
+    cos = F.normalize(eh[pieces], dim=-1) @ F.normalize(eh[pieces], dim=-1).T
+    off = cos[~torch.eye(len(pieces), dtype=torch.bool)]
+    print(f"cosine between the pieces' normed embeddings: mean {off.mean():.2f}, max {off.max():.2f}")
     st = args.state
     rows = {"eye": torch.eye(E.shape[1])[:st], "randn": torch.randn(st, E.shape[1]) / E.shape[1] ** 0.5}
     alphas = {"0": torch.zeros(st), "1": torch.ones(st), "+-1": torch.randint(0, 2, (st,)).float() * 2 - 1}
