@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     eh = E * torch.rsqrt(E.pow(2).mean(-1, keepdim=True) + 1e-5)     # a new layer's RMSNorm (weight 1)
     pieces = uuid_piece_ids(tok)
     exs = examples(tok, args.n)
-    prompt_share = sum(sum(t in set(pieces) for t in ids[:s]) for ids, s in exs) / sum(s for _, s in exs)
+    piece_set = set(pieces)
+    prompt_share = sum(sum(t in piece_set for t in ids[:s]) for ids, s in exs) / sum(s for _, s in exs)
     print(f"{len(pieces)} uuid-like pieces; they are {prompt_share:.1%} of the prompt tokens "
           f"({len(exs)} examples at 1K/2K)")
     cos = F.normalize(eh[pieces], dim=-1) @ F.normalize(eh[pieces], dim=-1).T

@@ -179,6 +179,6 @@ def test_copy_probe_can_succeed_with_orthogonal_codes():
     exs = [(ids, start)]
     acc, whole = piece_accuracy(eh, needle, exs, torch.eye(V), torch.zeros(V), 4.0, 2.0, "oracle")
     assert acc == 1.0 and whole == 1.0
-    # a key that ignores the token (every row reads the same dim) cannot tell the pieces apart
+    # all-zero key rows give every token the same code, so the pieces cannot be told apart
     acc_bad, _ = piece_accuracy(eh, needle, exs, torch.zeros(V, V), torch.zeros(V), 4.0, 2.0, "oracle")
     assert acc_bad < 0.5
