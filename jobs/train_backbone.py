@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp", type=int, default=256)
     ap.add_argument("--tokens-per-step", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lm-weight", type=float, default=0.5,
+                    help="weight of the LM CE on the non-answer tokens (loss = answer CE + this x LM CE)")
     ap.add_argument("--bigram-heads", type=int, default=0,
                     help="GDN heads per layer with the bigram induction init (0: all unigram); Mamba-2: "
                          "that fraction (of --heads) of the shared B/C state dims")
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
                         offset_heads=tuple(tuple(int(x) for x in o.split(":")) for o in args.offset_heads))
     phases = args.phases or ("grow" if args.init_from else "scratch")
     tc = bb.TrainConfig(minutes=args.minutes, seed=args.seed, threads=args.threads, device=args.device,
-                        tokens_per_step=args.tokens_per_step, lr=args.lr, init_from=args.init_from,
+                        tokens_per_step=args.tokens_per_step, lr=args.lr, lm_weight=args.lm_weight, init_from=args.init_from,
                         grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
                         freeze_new_mixer=args.freeze_new_mixer,
                         freeze_mixer_layers=tuple(args.freeze_mixer_layers),

@@ -208,12 +208,12 @@ def test_freeze_new_mixer_keeps_the_built_circuit(tok, small_source, tmp_path):
 def test_continue_a_model_with_frozen_mixer_layers(tok, small_source, tmp_path):
     """Same shapes: a continuation (every tensor copied). --freeze-mixer-layers 0 keeps layer 0's
     q/k/v/conv/gates exactly as loaded while layer 1 and layer 0's read-out train; the README says
-    continued and repeats the flag."""
+    continued and repeats the flags (a non-default phase set and LM weight included)."""
     from nbcore.training.backbone import PHASES, TrainConfig, train, write_readme
     src_dir, src = small_source
     mc = ModelConfig(hidden=32, layers=2, heads=2, mlp=64, bigram_heads=1)
     tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir),
-                     freeze_mixer_layers=(0,), phases=list(PHASES["uuid"]))
+                     freeze_mixer_layers=(0,), phases=list(PHASES["uuid-long"]), lm_weight=0.05)
     model, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=lambda s: None)
     assert meta["steps"] >= 1
     new, old = model.model.layers[0].linear_attn, src.model.layers[0].linear_attn
@@ -224,7 +224,8 @@ def test_continue_a_model_with_frozen_mixer_layers(tok, small_source, tmp_path):
                            src.model.layers[1].linear_attn.in_proj_qkv.weight)
     write_readme(tmp_path / "model", meta, [])
     text = (tmp_path / "model" / "README.md").read_text()
-    assert "continued from" in text and "--freeze-mixer-layers 0" in text and "--phases uuid" in text
+    assert "continued from" in text and "--freeze-mixer-layers 0" in text and "--phases uuid-long" in text
+    assert "--lm-weight 0.05" in text and "answer CE + 0.05 x LM CE" in text
     with pytest.raises(ValueError, match="out of range"):
         train(mc, TrainConfig(minutes=0.01, tokens_per_step=256, threads=1, init_from=str(src_dir),
                               freeze_mixer_layers=(5,)), tmp_path / "m2", tmp_path / "r2", tok, log=lambda s: None)

@@ -122,6 +122,9 @@ PHASES["bind-grow"] = [PHASES["bind"][0][:4] + (0.5,), PHASES["grow"][0]]
 PHASES["uuid"] = [
     (256, 2048, NIAH_TRAIN_TASKS + ("niah_single_3",) * 4 + ("niah_multikey_1",), 2.0, 1.0),
 ]
+# the same mix at the upper half of the training lengths only: the uuid misses grow with length
+# (Mamba-2 v4: 80 at 1K, 68 at 2K), and a 256-token batch is one the model already gets right
+PHASES["uuid-long"] = [(1024, 2048) + PHASES["uuid"][0][2:]]
 
 
 def phases_json(phases) -> list:
@@ -821,7 +824,8 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
              f" --tokens-per-step {tr['tokens_per_step']} --lr {tr['lr']:g} --threads {tr['threads']}"
              + (f" --bigram-heads {bigram}" if bigram else "")
              + (f" --state {mc['state']}" if mc["family"] == "mamba2" and mc.get("state", 64) != 64 else "")
-             + (f" --groups {mc['groups']}" if mc.get("groups", 1) != 1 else ""))
+             + (f" --groups {mc['groups']}" if mc.get("groups", 1) != 1 else "")
+             + (f" --lm-weight {tr['lm_weight']:g}" if tr.get("lm_weight", 0.5) != 0.5 else ""))
     grown_text, title = "", "trained from scratch on CPU"
     src = meta.get("init_from")
     if src:  # a grown model (grow_from): its own flags, and where it started
