@@ -1,12 +1,18 @@
 """Where does a tiny model's uuid copy (niah_single_3) go wrong?
 
-For each failed example, the first wrong answer token j is compared with the gold token sequence:
-is the k-gram just before it (gold[j-k:j]) repeated earlier in the value? If copy errors came from
-k-gram induction collisions (two places in the uuid with the same context), error positions would
-show repeated k-grams far more often than positions in general (the baseline column: the same rate
-over every position j >= 1 of every gold value).
+A copy reads the next piece of the value by matching the pieces just generated against the pieces
+the needle wrote. The whole value is in the state before the answer starts, so a k-gram context
+that occurs twice in the value, before *or after* the current position, makes the match ambiguous
+(an induction collision). For each wrong piece j (the first wrong token of a failed greedy answer,
+and every wrong piece under teacher forcing) this asks, for k = 1, 2, 3:
+- at risk: does the k-gram gold[j-k:j] occur elsewhere in the value followed by another piece?
+  The baseline column is the same rate over every position of every gold value.
+- from a collision: is the wrong piece exactly what follows such another occurrence?
 
-    python bench/uuid_copy_errors.py models/tiny-gdn-v4 --length 1024 2048 --n 50
+(Until 2026-12-01 this script only looked for earlier occurrences, which hid the collisions with
+later positions; see bench/results/tiny-mamba2-growth.md, session 13.)
+
+    python bench/uuid_copy_errors.py models/tiny-mamba2-v4 --length 1024 2048 --n 50
 """
 from __future__ import annotations
 
@@ -24,26 +30,47 @@ from nbcore.tasks.tokenizer import load_tokenizer  # noqa: E402
 from nbcore.training.backbone import greedy  # noqa: E402
 
 TASK = "niah_single_3"
+KS = (1, 2, 3)
 
 
-def repeated_before(gold: list[int], j: int, k: int) -> bool:
-    """The k-gram ending at position j-1 occurs at an earlier start in ``gold``."""
+def successors(gold: list[int], j: int, k: int) -> set[int]:
+    """Pieces that follow the k-gram gold[j-k:j] at its other occurrences in ``gold`` (earlier or
+    later than j). Empty when j < k or the k-gram occurs only before j."""
     if j < k:
-        return False
-    g = tuple(gold[j - k:j])
-    return any(tuple(gold[s:s + k]) == g for s in range(0, j - k))
+        return set()
+    g = gold[j - k:j]
+    return {gold[s] for s in range(k, len(gold)) if s != j and gold[s - k:s] == g}
+
+
+def at_risk(gold: list[int], j: int, k: int) -> bool:
+    """The k-gram before j also occurs elsewhere in the value, followed by another piece."""
+    return bool(successors(gold, j, k) - {gold[j]})
+
+
+def _rate(xs) -> float:
+    return round(sum(xs) / len(xs), 3) if xs else float("nan")
 
 
 def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
+    """Greedy answers (the score) and one teacher-forced pass per example (every wrong piece)."""
     fails, ok, first_tok = [], 0, 0
-    base = {1: [], 2: [], 3: []}
+    base = {k: [] for k in KS}
+    tf_wrong, tf_pieces = [], 0
     for i in range(n):
         ex = ruler.generate(TASK, length, i, tok, seed=seed, split="test")
         prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
         gold = tok(" " + ex["answers"][0], add_special_tokens=False)["input_ids"]
         for j in range(1, len(gold)):
-            for k in base:
-                base[k].append(repeated_before(gold, j, k))
+            for k in KS:
+                base[k].append(at_risk(gold, j, k))
+        with torch.no_grad():  # teacher forced: position len(prompt)-1+j predicts gold[j]
+            logits = model(input_ids=torch.tensor([prompt + gold]), use_cache=False).logits
+        pred = logits[0, len(prompt) - 1:len(prompt) - 1 + len(gold)].argmax(-1).tolist()
+        tf_pieces += len(gold) - 1
+        for j in range(1, len(gold)):
+            if pred[j] != gold[j]:
+                tf_wrong.append({f"risk{k}": at_risk(gold, j, k) for k in KS}
+                                | {f"coll{k}": pred[j] in successors(gold, j, k) for k in KS})
         out = greedy(model, prompt, len(gold) + 2, tok.eos_token_id)
         if ruler.score(TASK, tok.decode(out), ex["answers"]) == 100:
             ok += 1
@@ -58,12 +85,16 @@ def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
                       "context": tok.convert_ids_to_tokens(gold[max(0, j - 3):j]),
                       "gold": tok.convert_ids_to_tokens([gold[j]])[0],
                       "got": tok.convert_ids_to_tokens([out[j]])[0],
-                      **{f"rep{k}": repeated_before(gold, j, k) for k in base}})
-    rate = lambda xs: round(sum(xs) / len(xs), 3) if xs else float("nan")  # noqa: E731
+                      **{f"risk{k}": at_risk(gold, j, k) for k in KS},
+                      **{f"coll{k}": out[j] in successors(gold, j, k) for k in KS}})
     return {"length": length, "n": n, "score": 100.0 * ok / n, "failed": n - ok,
             "wrong_first_token": first_tok,
-            **{f"rep{k}_at_errors": rate([f[f"rep{k}"] for f in fails]) for k in base},
-            **{f"rep{k}_baseline": rate(base[k]) for k in base},
+            **{f"risk{k}_at_errors": _rate([f[f"risk{k}"] for f in fails]) for k in KS},
+            **{f"coll{k}_at_errors": _rate([f[f"coll{k}"] for f in fails]) for k in KS},
+            **{f"risk{k}_baseline": _rate(base[k]) for k in KS},
+            "tf_pieces": tf_pieces, "tf_wrong": len(tf_wrong),
+            **{f"tf_risk{k}": _rate([w[f"risk{k}"] for w in tf_wrong]) for k in KS},
+            **{f"tf_coll{k}": _rate([w[f"coll{k}"] for w in tf_wrong]) for k in KS},
             "errors": fails}
 
 
@@ -80,13 +111,18 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     res = [analyse(model, tok, L, args.n) for L in args.length]
-    print("| length | N | single_3 | failed | repeated 1/2/3-gram before the first error | "
-          "same, all positions (baseline) |")
-    print("|---|---|---|---|---|---|")
+    trio = lambda r, key: " / ".join(f"{r[key.format(k)]:.2f}" for k in KS)  # noqa: E731
+    print("| length | N | single_3 | failed | first errors at risk (1/2/3-gram) | "
+          "all positions at risk (baseline) | first errors copied from the collision |")
+    print("|---|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['length']} | {r['n']} | {r['score']:.1f} | {r['failed']} | "
-              f"{r['rep1_at_errors']:.2f} / {r['rep2_at_errors']:.2f} / {r['rep3_at_errors']:.2f} | "
-              f"{r['rep1_baseline']:.2f} / {r['rep2_baseline']:.2f} / {r['rep3_baseline']:.2f} |")
+        print(f"| {r['length']} | {r['n']} | {r['score']:.1f} | {r['failed']} | {trio(r, 'risk{}_at_errors')} | "
+              f"{trio(r, 'risk{}_baseline')} | {trio(r, 'coll{}_at_errors')} |")
+    print("\nteacher forced (every wrong piece):")
+    print("| length | pieces | wrong | wrong at risk (1/2/3-gram) | wrong copied from the collision |")
+    print("|---|---|---|---|---|")
+    for r in res:
+        print(f"| {r['length']} | {r['tf_pieces']} | {r['tf_wrong']} | {trio(r, 'tf_risk{}')} | {trio(r, 'tf_coll{}')} |")
     for r in res:
         for f in r["errors"]:
             print(f"  {r['length']} ex {f['example']}: pos {f['position']}/{f['of']} after "

@@ -86,13 +86,16 @@ def test_channel_hits_cli_writes_its_result(tmp_path):
     assert res["chunk_size"] == 256 and res["seed"] == 1 and "--chunk-size 256" in res["command"]
 
 
-def test_uuid_copy_errors_repeated_kgram():
-    from bench.uuid_copy_errors import repeated_before
+def test_uuid_copy_errors_collisions_look_both_ways():
+    from bench.uuid_copy_errors import at_risk, successors
     gold = [1, 2, 3, 1, 2, 4, 1]
-    assert repeated_before(gold, 5, 2)            # (1, 2) before position 5 also starts at 0
-    assert not repeated_before(gold, 5, 3)        # (3, 1, 2) occurs only there
-    assert repeated_before(gold, 4, 1) and not repeated_before(gold, 3, 1)
-    assert not repeated_before(gold, 1, 2)        # too early for a 2-gram
+    assert successors(gold, 5, 2) == {3}          # (1, 2) before 5 also at 0, followed by 3
+    assert successors(gold, 2, 2) == {4}          # ... and before 2 it recurs LATER, followed by 4
+    assert at_risk(gold, 2, 2) and at_risk(gold, 5, 2)
+    assert successors(gold, 5, 3) == set() and not at_risk(gold, 5, 3)   # (3, 1, 2) only there
+    assert successors(gold, 4, 1) == {2} and not at_risk(gold, 4, 1)     # after 1 always comes 2
+    assert successors([1, 2, 3, 1, 4], 1, 1) == {4} and at_risk([1, 2, 3, 1, 4], 1, 1)  # later 1 -> 4
+    assert successors(gold, 1, 2) == set()        # too early for a 2-gram
 
 
 def test_uuid_copy_errors_runs_on_a_tiny_model(tmp_path):
@@ -106,7 +109,8 @@ def test_uuid_copy_errors_runs_on_a_tiny_model(tmp_path):
     m = build_model(ModelConfig(hidden=32, layers=1, heads=2, mlp=32), tok).eval()
     r = analyse(m, tok, 256, 2)
     assert r["n"] == 2 and 0 <= r["score"] <= 100 and r["failed"] == 2 - round(r["score"] / 50)
-    assert 0 < r["rep1_baseline"] <= 1 and r["rep3_baseline"] <= r["rep1_baseline"]
+    assert 0 < r["risk1_baseline"] <= 1 and r["risk3_baseline"] <= r["risk1_baseline"]
+    assert r["tf_pieces"] > 0 and 0 <= r["tf_wrong"] <= r["tf_pieces"]
 
 
 def test_ruler_headline_table():

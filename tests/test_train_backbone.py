@@ -54,6 +54,27 @@ def test_bigram_heads_out_of_range(tok):
         build_model(ModelConfig(heads=4, bigram_heads=5), tok)
 
 
+def test_collide_uuid_examples(tok):
+    """The training-only collision-rich uuids: uuid-shaped, from a 4-8 symbol hex alphabet, put in
+    the needle and the answer of a niah_single_3 example (nothing else changes); deterministic."""
+    import random
+    import re
+    from nbcore.tasks import ruler
+    from nbcore.training.backbone import COLLIDE_TASK, PHASES, collide_uuid, generate_train
+    for i in range(20):
+        u = collide_uuid(random.Random(i))
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", u)
+        assert 1 <= len(set(u) - {"-"}) <= 8
+    ex = generate_train(COLLIDE_TASK, 512, 3, tok, 0)
+    ref = ruler.generate("niah_single_3", 512, 3, tok, seed=0, split="train")
+    (new,), (old,) = ex["answers"], ref["answers"]
+    assert new != old and new in ex["context"] and old not in ex["context"]
+    assert ex["context"].replace(new, old) == ref["context"] and ex["question"] == ref["question"]
+    assert generate_train(COLLIDE_TASK, 512, 3, tok, 0) == ex
+    assert generate_train("niah_single_3", 512, 3, tok, 0) == ref
+    assert COLLIDE_TASK in PHASES["uuid-collide"][0][2] and COLLIDE_TASK not in ruler.TASKS
+
+
 def test_train_checkpoints_and_resumes(tok, tmp_path):
     """A short run leaves a complete checkpoint (no temp file) and an HF dir; a rerun resumes it."""
     from nbcore.training.backbone import TrainConfig, train

@@ -38,6 +38,32 @@ from nbcore.tasks import ruler
 from nbcore.tasks import haystack as hs
 
 NIAH_TRAIN_TASKS = ruler.PAPER_SIX
+# training-only variant of niah_single_3 (never evaluated): the uuid's hex digits come from a
+# random 4-8 symbol subset, so the k-gram contexts inside the value recur often. The shipped
+# Mamba-2's uuid misses are induction collisions (the piece after another occurrence of the same
+# 1-/2-gram in the value; bench/uuid_copy_errors.py), and in real uuids a 2-gram recurs at only
+# ~5% of positions, too rarely to teach the model to key on longer contexts.
+COLLIDE_TASK = "niah_single_3_collide"
+UUID_GROUPS = (8, 4, 4, 4, 12)
+
+
+def collide_uuid(rng: random.Random) -> str:
+    """A uuid-shaped string (8-4-4-4-12 hex) drawn from a small random hex alphabet."""
+    alphabet = rng.sample("0123456789abcdef", rng.randint(4, 8))
+    return "-".join("".join(rng.choice(alphabet) for _ in range(n)) for n in UUID_GROUPS)
+
+
+def generate_train(task: str, length: int, index: int, tok, seed: int) -> dict:
+    """A training example (train-split keys): a RULER task, or COLLIDE_TASK (a niah_single_3
+    example whose uuid is replaced, in the needle and the answer, by ``collide_uuid``)."""
+    if task != COLLIDE_TASK:
+        return ruler.generate(task, length, index, tok, seed=seed, split="train")
+    ex = ruler.generate("niah_single_3", length, index, tok, seed=seed, split="train")
+    old = ex["answers"][0]
+    new = collide_uuid(random.Random(f"collide|{seed}|{length}|{index}"))
+    if ex["context"].count(old) != 1:
+        raise RuntimeError("the needle's uuid is not in the context exactly once")
+    return {**ex, "context": ex["context"].replace(old, new), "answers": [new]}
 
 
 @dataclass
@@ -125,6 +151,10 @@ PHASES["uuid"] = [
 # the same mix at the upper half of the training lengths only: the uuid misses grow with length
 # (Mamba-2 v4: 80 at 1K, 68 at 2K), and a 256-token batch is one the model already gets right
 PHASES["uuid-long"] = [(1024, 2048) + PHASES["uuid"][0][2:]]
+# the uuid mix with 3 of its 5 uuid draws replaced by collision-rich uuids (COLLIDE_TASK)
+PHASES["uuid-collide"] = [
+    (256, 2048, NIAH_TRAIN_TASKS + ("niah_single_3",) + (COLLIDE_TASK,) * 3 + ("niah_multikey_1",), 2.0, 1.0),
+]
 
 
 def phases_json(phases) -> list:
@@ -514,8 +544,7 @@ def make_batch(step: int, phase: int, tc: TrainConfig, tok):
             seqs.append((ids, len(ids)))
         else:
             task = rng.choice(tasks)
-            ex = ruler.generate(task, length, rng.randrange(1 << 30), tok, seed=tc.seed,
-                                split="train")
+            ex = generate_train(task, length, rng.randrange(1 << 30), tok, tc.seed)
             seqs.append(encode_example(ex, tok))
     T = max(len(s) for s, _ in seqs)
     ids = torch.full((bsz, T), tok.pad_token_id, dtype=torch.long)
