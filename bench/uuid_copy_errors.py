@@ -56,6 +56,7 @@ def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
     fails, ok, first_tok = [], 0, 0
     base = {k: [] for k in KS}
     tf_wrong, tf_pieces = [], 0
+    by_risk = {"none": [0, 0], "1-gram only": [0, 0], "2-gram": [0, 0]}  # [wrong, pieces]
     for i in range(n):
         ex = ruler.generate(TASK, length, i, tok, seed=seed, split="test")
         prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
@@ -68,6 +69,9 @@ def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
         pred = logits[0, len(prompt) - 1:len(prompt) - 1 + len(gold)].argmax(-1).tolist()
         tf_pieces += len(gold) - 1
         for j in range(1, len(gold)):
+            cls = "2-gram" if at_risk(gold, j, 2) else "1-gram only" if at_risk(gold, j, 1) else "none"
+            by_risk[cls][0] += pred[j] != gold[j]
+            by_risk[cls][1] += 1
             if pred[j] != gold[j]:
                 tf_wrong.append({f"risk{k}": at_risk(gold, j, k) for k in KS}
                                 | {f"coll{k}": pred[j] in successors(gold, j, k) for k in KS})
@@ -95,6 +99,8 @@ def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
             "tf_pieces": tf_pieces, "tf_wrong": len(tf_wrong),
             **{f"tf_risk{k}": _rate([w[f"risk{k}"] for w in tf_wrong]) for k in KS},
             **{f"tf_coll{k}": _rate([w[f"coll{k}"] for w in tf_wrong]) for k in KS},
+            "tf_error_rate_by_risk": {c: {"wrong": w, "pieces": p, "rate": round(w / p, 4) if p else None}
+                                      for c, (w, p) in by_risk.items()},
             "errors": fails}
 
 
@@ -123,6 +129,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for r in res:
         print(f"| {r['length']} | {r['tf_pieces']} | {r['tf_wrong']} | {trio(r, 'tf_risk{}')} | {trio(r, 'tf_coll{}')} |")
+    print("\nteacher-forced error rate by the collision risk of the position:")
+    print("| length | no collision | previous piece recurs (1-gram only) | previous 2 pieces recur |")
+    print("|---|---|---|---|")
+    for r in res:
+        cell = lambda c: "{wrong} / {pieces} = {pct}%".format(  # noqa: E731
+            pct=round(100 * (r["tf_error_rate_by_risk"][c]["rate"] or 0), 2), **r["tf_error_rate_by_risk"][c])
+        print(f"| {r['length']} | {cell('none')} | {cell('1-gram only')} | {cell('2-gram')} |")
     for r in res:
         for f in r["errors"]:
             print(f"  {r['length']} ex {f['example']}: pos {f['position']}/{f['of']} after "

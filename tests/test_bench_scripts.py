@@ -111,6 +111,9 @@ def test_uuid_copy_errors_runs_on_a_tiny_model(tmp_path):
     assert r["n"] == 2 and 0 <= r["score"] <= 100 and r["failed"] == 2 - round(r["score"] / 50)
     assert 0 < r["risk1_baseline"] <= 1 and r["risk3_baseline"] <= r["risk1_baseline"]
     assert r["tf_pieces"] > 0 and 0 <= r["tf_wrong"] <= r["tf_pieces"]
+    by = r["tf_error_rate_by_risk"]
+    assert sum(c["pieces"] for c in by.values()) == r["tf_pieces"]
+    assert sum(c["wrong"] for c in by.values()) == r["tf_wrong"]
 
 
 def test_ruler_headline_table():
