@@ -35,7 +35,7 @@ KS = (1, 2, 3)
 
 def successors(gold: list[int], j: int, k: int) -> set[int]:
     """Pieces that follow the k-gram gold[j-k:j] at its other occurrences in ``gold`` (earlier or
-    later than j). Empty when j < k or the k-gram occurs only before j."""
+    later than j). Empty when j < k or the k-gram occurs nowhere else."""
     if j < k:
         return set()
     g = gold[j - k:j]
@@ -61,19 +61,19 @@ def analyse(model, tok, length: int, n: int, seed: int = 0) -> dict:
         ex = ruler.generate(TASK, length, i, tok, seed=seed, split="test")
         prompt = tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"]
         gold = tok(" " + ex["answers"][0], add_special_tokens=False)["input_ids"]
-        for j in range(1, len(gold)):
-            for k in KS:
-                base[k].append(at_risk(gold, j, k))
         with torch.no_grad():  # teacher forced: position len(prompt)-1+j predicts gold[j]
             logits = model(input_ids=torch.tensor([prompt + gold]), use_cache=False).logits
         pred = logits[0, len(prompt) - 1:len(prompt) - 1 + len(gold)].argmax(-1).tolist()
         tf_pieces += len(gold) - 1
         for j in range(1, len(gold)):
-            cls = "2-gram" if at_risk(gold, j, 2) else "1-gram only" if at_risk(gold, j, 1) else "none"
+            risk = {k: at_risk(gold, j, k) for k in KS}
+            for k in KS:
+                base[k].append(risk[k])
+            cls = "2-gram" if risk[2] else "1-gram only" if risk[1] else "none"
             by_risk[cls][0] += pred[j] != gold[j]
             by_risk[cls][1] += 1
             if pred[j] != gold[j]:
-                tf_wrong.append({f"risk{k}": at_risk(gold, j, k) for k in KS}
+                tf_wrong.append({f"risk{k}": risk[k] for k in KS}
                                 | {f"coll{k}": pred[j] in successors(gold, j, k) for k in KS})
         out = greedy(model, prompt, len(gold) + 2, tok.eos_token_id)
         if ruler.score(TASK, tok.decode(out), ex["answers"]) == 100:

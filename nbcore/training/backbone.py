@@ -148,8 +148,8 @@ PHASES["bind-grow"] = [PHASES["bind"][0][:4] + (0.5,), PHASES["grow"][0]]
 PHASES["uuid"] = [
     (256, 2048, NIAH_TRAIN_TASKS + ("niah_single_3",) * 4 + ("niah_multikey_1",), 2.0, 1.0),
 ]
-# the same mix at the upper half of the training lengths only: the uuid misses grow with length
-# (Mamba-2 v4: 80 at 1K, 68 at 2K), and a 256-token batch is one the model already gets right
+# the same mix at the upper half of the training lengths only (tried on Mamba-2 v4 because it read
+# 80 at 1K and 68 at 2K; the misses turned out not to depend on length: 72 at 384 tokens)
 PHASES["uuid-long"] = [(1024, 2048) + PHASES["uuid"][0][2:]]
 # the uuid mix with 3 of its 5 uuid draws replaced by collision-rich uuids (COLLIDE_TASK)
 PHASES["uuid-collide"] = [
