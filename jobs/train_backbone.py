@@ -92,6 +92,9 @@ def main(argv=None) -> int:
                     help="with --init-from: lr multiplier of the new layers")
     ap.add_argument("--freeze-new-mixer", action="store_true",
                     help="with --init-from: train only the new layers' read-out (out_proj, gate, MLP)")
+    ap.add_argument("--product-layer", choices=sorted(bb.PRODUCT_LAGS), default="",
+                    help="with --init-from and --prepend-layers 1 (Mamba-2): build the new first layer as a "
+                         "bigram product layer (x = token t-lag, gated by token t; see _init_mamba2_product)")
     ap.add_argument("--freeze-mixer-layers", type=int, nargs="*", default=[],
                     help="layers whose q/k/v/conv/gates stay as loaded (e.g. 0: a grown model's built layer)")
     ap.add_argument("--phases", choices=sorted(bb.PHASES), default=None,
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
                         grow_prepend=args.prepend_layers, new_layer_lr_mult=args.new_layer_lr_mult,
                         freeze_new_mixer=args.freeze_new_mixer,
                         freeze_mixer_layers=tuple(args.freeze_mixer_layers),
-                        new_state_scale=args.new_state_scale,
+                        new_state_scale=args.new_state_scale, product_layer=args.product_layer,
                         phases=list(bb.PHASES[phases]))
     bb.train(mc, tc, out, run_dir, tok, log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
     return 0

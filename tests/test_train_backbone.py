@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nbcore.tasks.tokenizer import build_tokenizer
 from nbcore.training.backbone import ModelConfig, build_model
@@ -342,6 +343,63 @@ def test_mamba2_grow_keeps_logits_and_frozen_offset_layer_stays_built(tok, mamba
         a, b = getattr(new, name), getattr(ref, name)
         assert torch.equal(a.weight if hasattr(a, "weight") else a, b.weight if hasattr(b, "weight") else b), name
     assert new.out_proj.weight.abs().sum() > 0
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x: [T, D] -> row t holds x[t-k] (zeros before the start), as a causal conv tap reads it."""
+    return torch.cat([x.new_zeros(k, x.shape[1]), x[:-k]])
+
+
+@pytest.mark.parametrize("name", ["lag1", "lag12"])
+def test_mamba2_product_layer_keeps_logits_and_writes_pair_codes(tok, mamba2_source, name):
+    """--product-layer on a grown Mamba-2: same logits at step 0 (its out_proj starts at 0), and its
+    read-out equals the naive formula RMSNorm(silu(h_{t-lag}) * silu(z_t)), z = h_t | permuted h_t."""
+    from nbcore.training.backbone import PRODUCT_LAGS, _init_mamba2_product, grow_from
+    src_dir, src = mamba2_source
+    torch.manual_seed(0)
+    built = _mamba2(tok, layers=3)
+    grow_from(built, src_dir, prepend=1)
+    _init_mamba2_product(built.backbone.layers[0].mixer, PRODUCT_LAGS[name], seed=3)
+    ids = torch.randint(5, len(tok), (1, 63))
+    block = built.backbone.layers[0]
+    seen = {}
+    block.mixer.out_proj.register_forward_hook(lambda mod, inp, out: seen.__setitem__("readout", inp[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(built(input_ids=ids).logits, src(input_ids=ids).logits, rtol=0, atol=1e-5)
+        h = block.norm(built.get_input_embeddings()(ids))[0]                       # [T, hidden]
+    hid = h.shape[1]
+    lag_a, lag_b = PRODUCT_LAGS[name]
+    x = torch.cat([F.silu(_shift(h, lag_a)), F.silu(_shift(h, lag_b))], 1)    # [T, 2 hidden]
+    perm = torch.randperm(hid, generator=torch.Generator().manual_seed(3))
+    y = x * F.silu(torch.cat([h, h[:, perm]], 1))
+    ref = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + block.mixer.norm.variance_epsilon)
+    torch.testing.assert_close(seen["readout"][0], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_train_with_a_product_layer_holds_its_circuit(tok, mamba2_source, tmp_path):
+    """train(product_layer=...) builds the prepended layer, holds its x/B/C/dt rows, conv and D
+    (freeze_mixer_layers), trains its gate z and out_proj; misuse is refused."""
+    from nbcore.training.backbone import TrainConfig, mamba2_circuit_rows, train
+    src_dir, _ = mamba2_source
+    mc = ModelConfig(family="mamba2", hidden=32, head_dim=16, state=16, heads=4, bigram_heads=2, layers=3)
+    tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, init_from=str(src_dir), grow_prepend=1,
+                     new_layer_lr_mult=10.0, freeze_mixer_layers=(0,), product_layer="lag12")
+    logs = []
+    model, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=logs.append)
+    assert meta["steps"] >= 1 and any("bigram product layer, x lags (1, 2)" in s for s in logs)
+    mix = model.backbone.layers[0].mixer
+    rows = mamba2_circuit_rows(mix)
+    x_rows = mix.in_proj.weight[rows][:mix.intermediate_size]
+    assert torch.equal(x_rows, torch.eye(32).repeat(2, 1))                    # x: two copies of h, held
+    assert torch.equal(mix.in_proj.weight[rows][mix.intermediate_size:], torch.zeros_like(
+        mix.in_proj.weight[rows][mix.intermediate_size:]))                   # B, C, dt rows stay 0
+    assert torch.equal(mix.D, torch.ones_like(mix.D))
+    assert mix.out_proj.weight.abs().sum() > 0
+    assert not torch.equal(mix.in_proj.weight[:32], torch.eye(32))            # z trains
+    with pytest.raises(ValueError, match="one prepended layer"):
+        train(mc, TrainConfig(minutes=0.01, tokens_per_step=256, threads=1, init_from=str(src_dir),
+                              grow_prepend=0, product_layer="lag1"),
+              tmp_path / "m2", tmp_path / "r2", tok, log=logs.append)
 
 
 # ---- Mamba-2 B/C capacity: more groups, larger state (grow_from's _grow_bc) ----

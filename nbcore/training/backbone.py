@@ -121,6 +121,8 @@ class TrainConfig:
     freeze_new_mixer: bool = False  # with init_from: keep the new layers' q/k/v/conv/gates at their init
     freeze_mixer_layers: tuple = ()  # keep these layers' q/k/v/conv/gates as loaded (a built circuit)
     new_state_scale: float = NEW_STATE_SCALE  # with init_from and a larger Mamba-2 state
+    product_layer: str = ""  # with init_from, Mamba-2, grow_prepend=1: build the new layer 0 as a
+    # bigram product layer, a PRODUCT_LAGS name (see _init_mamba2_product); "" = the usual init
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -368,6 +370,49 @@ def _init_mamba2(m, identity: bool = True, bigram_frac: float = 0.0, offset: tup
     m.A_log.copy_(torch.linspace(math.log(0.005), math.log(0.05), h))
     m.dt_bias.fill_(math.log(math.expm1(0.25)))
     m.D.fill_(0.0)
+
+
+# Built first layers that write a code of a token *pair* into the residual stream (see
+# _init_mamba2_product): name -> (lag of the first half of the x channels, lag of the second half).
+PRODUCT_LAGS = {"lag1": (1, 1), "lag12": (1, 2)}
+
+
+@torch.no_grad()
+def _init_mamba2_product(m, lags: tuple = (1, 1), seed: int = 0) -> None:
+    """A Mamba-2 mixer built as a bigram *product* layer (its out_proj is left alone).
+
+    Why: the shipped Mamba-2's uuid misses are induction collisions. Its copy key (B) adds the codes
+    of the previous pieces, so a position whose previous piece matches scores about half the gold
+    one, whatever came before (bench/uuid_copy_errors.py). A Mamba-2 block has no MLP; its one
+    multiplicative interaction is the output gate, y * silu(z). This layer uses it to write
+    AND-like codes of (token t-lag, token t) pairs, which later induction layers can key on:
+
+        x_t = silu(h_{t-lag})          conv taps; first half of the x channels lag lags[0], second lags[1]
+        B = C = 0                      the scan adds nothing (dt ~ 0 too)
+        y_t = D x_t = x_t              D = 1
+        out_t = RMSNormGated(y_t * silu(z_t)),  z_t = h_t (first half), h_t permuted (second half)
+
+    h = the block's normed input (the token embedding when the layer comes first); the permutation
+    is fixed by ``seed``, so the second half multiplies different dims of the two tokens.
+    x: [inter] = 2 copies of [hidden] (``_eye``)."""
+    inter, st, hid, G = m.intermediate_size, m.ssm_state_size, m.hidden_size, m.n_groups
+    if inter != 2 * hid:
+        raise ValueError(f"product layer expects expand=2 (intermediate {inter} = 2 x hidden {hid})")
+    w = m.in_proj.weight  # rows: z(inter) | x(inter) | B(G*st) | C(G*st) | dt(heads)
+    perm = torch.randperm(hid, generator=torch.Generator().manual_seed(seed))
+    w.zero_()
+    w[:hid] = torch.eye(hid)                                   # z, first half: token t
+    w[hid:inter] = torch.eye(hid)[perm]                        # z, second half: permuted dims of token t
+    w[inter:2 * inter] = _eye(inter, hid)                      # x: two copies of h
+    half = slice(0, hid), slice(hid, inter)
+    for sl, lag in zip(half, lags):
+        _conv_taps(m.conv1d, sl, lag)                          # x reads token t-lag
+    bc = slice(inter, inter + 2 * G * st)
+    m.conv1d.weight.data[bc] = 0.0                             # B = C = silu(0) = 0
+    m.conv1d.bias.data[bc] = 0.0
+    m.dt_bias.fill_(-20.0)
+    m.D.fill_(1.0)
+    m.norm.weight.fill_(1.0)
 
 
 def _grow_bc(w: torch.Tensor, fresh: torch.Tensor, name: str, src_cfg, dst_cfg,
@@ -705,10 +750,16 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     ckpt_path = run_dir / "ckpt.pt"
     model = build_model(mc, tok)
     grown = grow_from(model, tc.init_from, tc.grow_prepend, tc.new_state_scale) if tc.init_from and not ckpt_path.exists() else None
-    if grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2":  # see fit_dt_gate
+    if grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2" and not tc.product_layer:  # see fit_dt_gate
         lo, leak = fit_dt_gate(model.backbone.layers[0], model.get_input_embeddings().weight.detach(),
                                number_start_ids(tok))
         log(f"offset layer 0 writes at number starts (dt >= {lo:.2f} there, max dt elsewhere {leak:.3f})")
+    elif grown and tc.product_layer:  # the new first layer as a bigram product layer
+        if mc.family != "mamba2" or tc.grow_prepend != 1:
+            raise ValueError("product_layer builds the one prepended layer of a grown Mamba-2 "
+                             f"(family={mc.family}, grow_prepend={tc.grow_prepend})")
+        _init_mamba2_product(model.backbone.layers[0].mixer, PRODUCT_LAGS[tc.product_layer], tc.seed)
+        log(f"layer 0 built as a bigram product layer, x lags {PRODUCT_LAGS[tc.product_layer]}")
     elif grown and mc.offset_heads and tc.grow_prepend:  # the new first layer's offset heads (see fit_write_gate)
         heads = list(range(mc.window_heads, mc.window_heads + len(mc.offset_heads)))
         leak = fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
