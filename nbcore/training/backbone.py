@@ -750,16 +750,16 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     ckpt_path = run_dir / "ckpt.pt"
     model = build_model(mc, tok)
     grown = grow_from(model, tc.init_from, tc.grow_prepend, tc.new_state_scale) if tc.init_from and not ckpt_path.exists() else None
-    if grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2" and not tc.product_layer:  # see fit_dt_gate
-        lo, leak = fit_dt_gate(model.backbone.layers[0], model.get_input_embeddings().weight.detach(),
-                               number_start_ids(tok))
-        log(f"offset layer 0 writes at number starts (dt >= {lo:.2f} there, max dt elsewhere {leak:.3f})")
-    elif grown and tc.product_layer:  # the new first layer as a bigram product layer
+    if grown and tc.product_layer:  # the new first layer as a bigram product layer
         if mc.family != "mamba2" or tc.grow_prepend != 1:
             raise ValueError("product_layer builds the one prepended layer of a grown Mamba-2 "
                              f"(family={mc.family}, grow_prepend={tc.grow_prepend})")
         _init_mamba2_product(model.backbone.layers[0].mixer, PRODUCT_LAGS[tc.product_layer], tc.seed)
         log(f"layer 0 built as a bigram product layer, x lags {PRODUCT_LAGS[tc.product_layer]}")
+    elif grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2":  # see fit_dt_gate
+        lo, leak = fit_dt_gate(model.backbone.layers[0], model.get_input_embeddings().weight.detach(),
+                               number_start_ids(tok))
+        log(f"offset layer 0 writes at number starts (dt >= {lo:.2f} there, max dt elsewhere {leak:.3f})")
     elif grown and mc.offset_heads and tc.grow_prepend:  # the new first layer's offset heads (see fit_write_gate)
         heads = list(range(mc.window_heads, mc.window_heads + len(mc.offset_heads)))
         leak = fit_write_gate(model.model.layers[0], model.get_input_embeddings().weight.detach(),
