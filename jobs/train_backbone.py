@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--freeze-new-mixer", action="store_true",
                     help="with --init-from: train only the new layers' read-out (out_proj, gate, MLP)")
     ap.add_argument("--product-layer", choices=sorted(bb.PRODUCT_LAGS), default="",
-                    help="with --init-from and --prepend-layers 1 (Mamba-2): build the new first layer as a "
+                    help="Mamba-2, from scratch or with --init-from and --prepend-layers 1: build layer 0 as a "
                          "bigram product layer (x = token t-lag, gated by token t; see _init_mamba2_product)")
     ap.add_argument("--freeze-mixer-layers", type=int, nargs="*", default=[],
                     help="layers whose q/k/v/conv/gates stay as loaded (e.g. 0: a grown model's built layer)")

@@ -396,11 +396,31 @@ def test_train_with_a_product_layer_holds_its_circuit(tok, mamba2_source, tmp_pa
     assert torch.equal(mix.D, torch.ones_like(mix.D))
     assert mix.out_proj.weight.abs().sum() > 0
     assert not torch.equal(mix.in_proj.weight[:32], torch.eye(32))            # z trains
-    with pytest.raises(ValueError, match="one prepended layer"):
+    with pytest.raises(ValueError, match="one prepended layer"):  # grown, but layer 0 is the source's
         train(mc, TrainConfig(minutes=0.01, tokens_per_step=256, threads=1, init_from=str(src_dir),
                               grow_prepend=0, product_layer="lag1"),
               tmp_path / "m2", tmp_path / "r2", tok, log=logs.append)
 
+
+
+def test_train_from_scratch_with_a_product_layer(tok, tmp_path):
+    """A fresh Mamba-2 with product_layer: layer 0 is built as the product layer (not the induction
+    init) and held by freeze_mixer_layers; a GDN refuses it (the layer is Mamba-2's output gate)."""
+    from nbcore.training.backbone import TrainConfig, mamba2_circuit_rows, train
+    mc = ModelConfig(family="mamba2", hidden=32, head_dim=16, state=16, heads=4, bigram_heads=2, layers=2)
+    tc = TrainConfig(minutes=0.03, tokens_per_step=256, threads=1, freeze_mixer_layers=(0,), product_layer="lag1")
+    logs = []
+    model, meta = train(mc, tc, tmp_path / "model", tmp_path / "run", tok, log=logs.append)
+    assert meta["steps"] >= 1 and any("bigram product layer, x lags (1, 1)" in s for s in logs)
+    mix = model.backbone.layers[0].mixer
+    rows = mamba2_circuit_rows(mix)
+    assert torch.equal(mix.in_proj.weight[rows][:mix.intermediate_size], torch.eye(32).repeat(2, 1))
+    assert not mix.in_proj.weight[rows][mix.intermediate_size:].any()          # B, C, dt rows: 0
+    assert not torch.equal(model.backbone.layers[1].mixer.in_proj.weight[rows][:mix.intermediate_size],
+                           torch.eye(32).repeat(2, 1))                         # layer 1: the usual init
+    with pytest.raises(ValueError, match="family=gdn"):
+        train(ModelConfig(family="gdn", hidden=32, heads=2, layers=1), TrainConfig(minutes=0.01, product_layer="lag1"),
+              tmp_path / "g", tmp_path / "gr", tok, log=logs.append)
 
 # ---- Mamba-2 B/C capacity: more groups, larger state (grow_from's _grow_bc) ----
 

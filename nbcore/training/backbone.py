@@ -121,8 +121,8 @@ class TrainConfig:
     freeze_new_mixer: bool = False  # with init_from: keep the new layers' q/k/v/conv/gates at their init
     freeze_mixer_layers: tuple = ()  # keep these layers' q/k/v/conv/gates as loaded (a built circuit)
     new_state_scale: float = NEW_STATE_SCALE  # with init_from and a larger Mamba-2 state
-    product_layer: str = ""  # with init_from, Mamba-2, grow_prepend=1: build the new layer 0 as a
-    # bigram product layer, a PRODUCT_LAGS name (see _init_mamba2_product); "" = the usual init
+    product_layer: str = ""  # Mamba-2, fresh or grown with grow_prepend=1: build layer 0 as a bigram
+    # product layer, a PRODUCT_LAGS name (see _init_mamba2_product); "" = the usual init
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -750,10 +750,11 @@ def train(mc: ModelConfig, tc: TrainConfig, out_dir: Path, run_dir: Path, tok, l
     ckpt_path = run_dir / "ckpt.pt"
     model = build_model(mc, tok)
     grown = grow_from(model, tc.init_from, tc.grow_prepend, tc.new_state_scale) if tc.init_from and not ckpt_path.exists() else None
-    if grown and tc.product_layer:  # the new first layer as a bigram product layer
-        if mc.family != "mamba2" or tc.grow_prepend != 1:
-            raise ValueError("product_layer builds the one prepended layer of a grown Mamba-2 "
-                             f"(family={mc.family}, grow_prepend={tc.grow_prepend})")
+    fresh = not tc.init_from and not ckpt_path.exists()
+    if tc.product_layer and (grown or fresh):  # the (new) first layer as a bigram product layer
+        if mc.family != "mamba2" or (grown and tc.grow_prepend != 1):
+            raise ValueError("product_layer builds layer 0 of a fresh Mamba-2 or the one prepended layer "
+                             f"of a grown one (family={mc.family}, grow_prepend={tc.grow_prepend})")
         _init_mamba2_product(model.backbone.layers[0].mixer, PRODUCT_LAGS[tc.product_layer], tc.seed)
         log(f"layer 0 built as a bigram product layer, x lags {PRODUCT_LAGS[tc.product_layer]}")
     elif grown and mc.offset_heads and tc.grow_prepend and mc.family == "mamba2":  # see fit_dt_gate
