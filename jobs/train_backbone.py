@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(args.threads)
         tok = load_tokenizer(out)
-        model = AutoModelForCausalLM.from_pretrained(out)
+        model = AutoModelForCausalLM.from_pretrained(out).to(args.device)
         evals = []
         for L in args.length:
             t = time.time()

@@ -647,17 +647,18 @@ def greedy(model, ids: list[int], max_new: int, eos: int, use_cache: bool = True
     ``use_cache=False`` re-reads the whole sequence every step (slow reference path; the tests
     check both agree)."""
     out: list[int] = []
+    dev = next(model.parameters()).device  # a CUDA eval (GPU lease) as well as CPU
     if not use_cache:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=dev)
         for _ in range(max_new):
             nxt = int(model(input_ids=x, use_cache=False).logits[0, -1].argmax())
             if nxt == eos:
                 break
             out.append(nxt)
-            x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+            x = torch.cat([x, torch.tensor([[nxt]], device=dev)], dim=1)
         return out
     cache = _counting_cache(model.config)
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=dev)
     for _ in range(max_new):
         logits = model(input_ids=x, cache=cache, use_cache=True).logits
         cache.seen += x.shape[1]
@@ -665,7 +666,7 @@ def greedy(model, ids: list[int], max_new: int, eos: int, use_cache: bool = True
         if nxt == eos:
             break
         out.append(nxt)
-        x = torch.tensor([[nxt]])
+        x = torch.tensor([[nxt]], device=dev)
     return out
 
 
