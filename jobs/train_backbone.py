@@ -106,6 +106,14 @@ def main(argv=None) -> int:
     ap.add_argument("--write-readme", action="store_true",
                     help="with --eval-only: record the scores in train_meta.json and README.md")
     args = ap.parse_args(argv)
+    # grow-only options would otherwise be dropped without a word on a from-scratch run
+    grow_only = [flag for flag, given in (
+        ("--prepend-layers", args.prepend_layers != 0),
+        ("--new-layer-lr-mult", args.new_layer_lr_mult != 1.0),
+        ("--freeze-new-mixer", args.freeze_new_mixer),
+        ("--new-state-scale", args.new_state_scale != bb.NEW_STATE_SCALE)) if given]
+    if grow_only and not args.init_from and not args.eval_only:
+        ap.error(f"{', '.join(grow_only)} only apply with --init-from (growing a shipped model)")
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else ROOT / "runs" / out.name

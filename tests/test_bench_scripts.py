@@ -189,3 +189,25 @@ def test_copy_probe_can_succeed_with_orthogonal_codes():
     # all-zero key rows give every token the same code, so the pieces cannot be told apart
     acc_bad, _ = piece_accuracy(eh, needle, exs, torch.zeros(V, V), torch.zeros(V), 4.0, 2.0, "oracle")
     assert acc_bad < 0.5
+
+
+def test_train_curves_parse_and_plot(tmp_path):
+    """The log parser reads every logged step (a resumed run's repeat keeps the last line), skips
+    other lines, and the CLI writes one PNG for two logs; a log without step lines is an error."""
+    from bench import train_curves
+    log = ("11:59:12 mamba2: 734432 params; budget 95.0 min\n"
+           "11:59:21 step 10 t=9s frac=0.001 ph=0 len=187 ans=7.184 lm=7.366 tf_em=0.00 lr=1.00e-03\n"
+           "checkpoint at step 10\n"
+           "11:59:40 step 20 t=28s frac=0.004 ph=1 len=137 ans=5.786 lm=6.423 tf_em=0.25 lr=2.00e-03\n"
+           "12:01:00 step 20 t=30s frac=0.004 ph=1 len=140 ans=5.500 lm=6.400 tf_em=0.30 lr=2.00e-03\n")
+    c = train_curves.parse_log(log)
+    assert c["step"] == [10, 20] and c["t"] == [9, 30] and c["phase"] == [0, 1]
+    assert c["ans"] == [7.184, 5.5] and c["tf_em"] == [0.0, 0.3]
+    (tmp_path / "a.log").write_text(log)
+    (tmp_path / "b.log").write_text(log.replace("ans=7.184", "ans=6.0"))
+    out = tmp_path / "curves.png"
+    assert train_curves.main([f"{tmp_path / 'a.log'}:a", str(tmp_path / "b.log"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty.log").write_text("nothing here\n")
+    with pytest.raises(SystemExit, match="no 'step N"):
+        train_curves.main([str(tmp_path / "empty.log"), "--out", str(tmp_path / "x.png")])

@@ -506,3 +506,20 @@ def test_train_a_state_grown_mamba2_and_its_readme(tok, mamba2_source, tmp_path)
     write_readme(tmp_path / "model", meta, [])
     text = (tmp_path / "model" / "README.md").read_text()
     assert "state 16 -> 32" in text and "--state 32" in text and "state 32, 1 B/C group(s)" in text
+
+
+@pytest.mark.parametrize("flag", [["--prepend-layers", "1"], ["--new-layer-lr-mult", "10"], ["--freeze-new-mixer"],
+                                  ["--new-state-scale", "0.1"]], ids=lambda f: f[0].lstrip("-"))
+def test_cli_refuses_grow_only_options_without_init_from(flag, tmp_path, capsys):
+    """A grow-only option on a from-scratch run is an error, not silently dropped."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "jobs" / "train_backbone.py"
+    spec = importlib.util.spec_from_file_location("train_backbone_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--family", "mamba2", "--out", str(tmp_path / "m"), "--minutes", "0.01", *flag])
+    assert e.value.code == 2
+    assert f"{flag[0]} only apply with --init-from" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
