@@ -418,6 +418,11 @@ def test_train_from_scratch_with_a_product_layer(tok, tmp_path):
     assert not mix.in_proj.weight[rows][mix.intermediate_size:].any()          # B, C, dt rows: 0
     assert not torch.equal(model.backbone.layers[1].mixer.in_proj.weight[rows][:mix.intermediate_size],
                            torch.eye(32).repeat(2, 1))                         # layer 1: the usual init
+    from nbcore.training.backbone import write_readme
+    write_readme(tmp_path / "model", meta, [])                # the card reproduces the built layer too
+    text = (tmp_path / "model" / "README.md").read_text()
+    assert "trained from scratch" in text and "--product-layer lag1" in text and "--freeze-mixer-layers 0" in text
+    assert "bigram *product* layer" in text and "--init-from" not in text
     with pytest.raises(ValueError, match="family=gdn"):
         train(ModelConfig(family="gdn", hidden=32, heads=2, layers=1), TrainConfig(minutes=0.01, product_layer="lag1"),
               tmp_path / "g", tmp_path / "gr", tok, log=logs.append)

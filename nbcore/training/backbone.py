@@ -907,7 +907,14 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
              + (f" --bigram-heads {bigram}" if bigram else "")
              + (f" --state {mc['state']}" if mc["family"] == "mamba2" and mc.get("state", 64) != 64 else "")
              + (f" --groups {mc['groups']}" if mc.get("groups", 1) != 1 else "")
-             + (f" --lm-weight {tr['lm_weight']:g}" if tr.get("lm_weight", 0.5) != 0.5 else ""))
+             + (f" --lm-weight {tr['lm_weight']:g}" if tr.get("lm_weight", 0.5) != 0.5 else "")
+             + (f" --product-layer {tr['product_layer']}" if tr.get("product_layer") else ""))
+    product_text = "" if not tr.get("product_layer") else (
+        f"\n- Layer 0 (the new first layer when grown) is built as a bigram *product* layer "
+        f"(`--product-layer {tr['product_layer']}`, `_init_mamba2_product`): x reads token t-lag "
+        f"(lags {PRODUCT_LAGS[tr['product_layer']]}), the scan is off (B = C = 0, D = 1) and the output "
+        f"gate multiplies it by token t, so the layer writes AND-like codes of token pairs that the "
+        f"induction layers after it can key on (a Mamba-2 block has no MLP to form them).")
     grown_text, title = "", "trained from scratch on CPU"
     src = meta.get("init_from")
     if src:  # a grown model (grow_from): its own flags, and where it started
@@ -918,9 +925,7 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                   + (f" --offset-heads {offsets}" if offsets else "")
                   + (f" --prepend-layers {tr['grow_prepend']}" if tr.get("grow_prepend") else "")
                   + (f" --new-layer-lr-mult {tr['new_layer_lr_mult']:g}" if tr.get("new_layer_lr_mult", 1) != 1 else "")
-                  + (" --freeze-new-mixer" if tr.get("freeze_new_mixer") else "")
-                  + (" --freeze-mixer-layers " + " ".join(map(str, tr["freeze_mixer_layers"]))
-                     if tr.get("freeze_mixer_layers") else ""))
+                  + (" --freeze-new-mixer" if tr.get("freeze_new_mixer") else ""))
         title = f"grown from {Path(src['path']).name} and trained on CPU"
         src_layers = (src.get("model") or {}).get("layers") or _source_layers(src["path"])
         src_conv = (src.get("model") or {}).get("conv") or _source_conv(src["path"])
@@ -965,6 +970,8 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                              if tr.get("freeze_new_mixer") else "")
                           + f"its read-out trains at {tr.get('new_layer_lr_mult', 1):g}x the lr.{frozen_text} "
                           f"Steps, tokens and wall time below are this run's only.")
+    if tr.get("freeze_mixer_layers"):  # a built circuit held, grown or fresh
+        flags += " --freeze-mixer-layers " + " ".join(map(str, tr["freeze_mixer_layers"]))
     ssm_text = (f" state {mc.get('state', 64)}, {mc.get('groups', 1)} B/C group(s),"
                 if mc["family"] == "mamba2" else "")
     text = f"""# {out_dir.name}: a tiny {mc['family'].upper()} backbone {title}
@@ -983,7 +990,7 @@ RULER haystack; it is not a language model of any quality.
   the hidden state (key = query), the key's short conv reads token t-1 while query and value read
   token t, and the output projection starts as identity. A small random q=k copy (std 0.02) was
   wiped out by Adam's first steps and stayed at chance; the O(1) identity survives and the answer
-  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.{bigram_text}{grown_text}
+  loss leaves chance within ~60 steps. See `nbcore/training/backbone.py`.{bigram_text}{product_text}{grown_text}
 - Data, generated on the fly (`nbcore/tasks/ruler.py`, train-split keys, fresh random values):
   the six NIAH tasks of the NoteBank paper over noise and prose haystacks, plus
   {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:
