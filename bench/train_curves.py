@@ -5,7 +5,7 @@ Why: from-scratch variants are compared with the shipped run at matched steps an
 (a variant that costs more per step on this CPU can look better per step and worse per minute).
 
     python bench/train_curves.py bench/results/tiny-mamba2-growth/train_v2.log:v2 \
-        bench/results/tiny-mamba2-growth/train_p1_scratch.log:p1 --out bench/results/tiny-mamba2-growth/curves_p1.png
+        bench/results/tiny-mamba2-growth/train_p1_scratch.log:p1-product-layer --out bench/results/tiny-mamba2-growth/curves_p1_vs_v2.png
 """
 from __future__ import annotations
 
