@@ -6,10 +6,8 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv run test example system-deps clean
-# RULER's essay haystack is prose from Debian's `fortunes` package (root: apt-get install fortunes).
-system-deps:
-	@test -d /usr/share/games/fortunes || (apt-get update -qq && apt-get install -y -qq fortunes)
+.PHONY: venv run test example clean
+# No system package is needed: RULER's essay haystack prose ships in nbcore/tasks/data/.
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml

@@ -11,7 +11,6 @@ from nbcore.tasks import haystack as hs
 from nbcore.tasks import ruler
 from nbcore.tasks.tokenizer import build_tokenizer, load_tokenizer
 
-ESSAY = pytest.mark.skipif(not hs.essay_available(), reason="Debian package 'fortunes' not installed")
 NEEDLE_RE = re.compile(r"One of the special magic (numbers|uuids) for ([a-z]+-[a-z]+) is: ([0-9a-f-]+)\.")
 
 
@@ -50,8 +49,6 @@ def test_registry():
     ("niah_multikey_1", 4, 1), ("niah_multiquery", 4, 4), ("niah_multivalue", 4, 4)])
 def test_niah_counts_and_needles(tok, task, n_needles, n_answers):
     spec = ruler.TASKS[task]
-    if spec.haystack == "essay" and not hs.essay_available():
-        pytest.skip("fortunes not installed")
     ex = ruler.generate(task, 4096, 3, tok)
     assert len(ex["needle_spans"]) == n_needles
     assert len(ex["answers"]) == n_answers
@@ -92,7 +89,6 @@ def test_single_template_exact(tok):
     assert sum(ln != hs.NOISE for ln in lines) == 1
 
 
-@ESSAY
 def test_multi_template_exact(tok):
     ex = ruler.generate("niah_multiquery", 4096, 0, tok)
     a, b, c, d = ex["queries"]
@@ -107,7 +103,6 @@ def test_multi_template_exact(tok):
     assert "special magic uuid for" in ex["question"] and ex["question"].endswith("text is")
 
 
-@ESSAY
 def test_essay_needles_at_sentence_boundaries(tok):
     for i in range(5):
         ex = ruler.generate("niah_multikey_1", 4096, i, tok)
@@ -126,15 +121,12 @@ def test_essay_needles_at_sentence_boundaries(tok):
 @pytest.mark.parametrize("task", list(ruler.TASKS))
 @pytest.mark.parametrize("length", [4096, 16384])
 def test_length_within_one_percent(tok, task, length):
-    if task != "niah_single_1" and task not in ("fwe",) and not hs.essay_available():
-        pytest.skip("fortunes not installed")
     ex = ruler.generate(task, length, 1, tok)
     n = len(tok(ex["context"] + ex["question"], add_special_tokens=False)["input_ids"])
     assert n == ex["n_tokens"]
     assert abs(n - length) <= 0.01 * length, (n, length)
 
 
-@ESSAY
 def test_one_million_tokens_fast(tok):
     ruler.generate("niah_single_2", 4096, 0, tok)  # warm the per-tokenizer word-count cache
     t = time.time()
@@ -166,7 +158,6 @@ def test_train_test_keys_disjoint(tok):
 # ---------------------------------------------------------------------------------------------
 # CWE / FWE
 
-@ESSAY
 def test_cwe_counts(tok):
     ex = ruler.generate("cwe", 4096, 0, tok)
     assert len(ex["answers"]) == 10
@@ -208,7 +199,6 @@ def test_tokenizer_offsets_digits_punctuation(tok, tmp_path):
     assert again.eos_token and again.bos_token and again.pad_token
 
 
-@ESSAY
 def test_tokenizer_build_reproduces_shipped(tok):
     built = build_tokenizer()
     assert built.get_vocab() == tok.get_vocab()

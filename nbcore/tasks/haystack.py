@@ -1,14 +1,18 @@
 """Haystack text for the RULER generators: RULER's noise sentences and an essay-like prose corpus.
 
 Why this source: RULER's essay haystack is Paul Graham's essays, which RULER downloads at run
-time and which are not redistributable. NoteBank must build its benchmarks offline from
-installed packages only, so the prose comes from Debian's ``fortunes`` package (data files
-``/usr/share/games/fortunes/*``; ``apt-get install fortunes``, Debian 1:1.99.1-7.3; quotations,
-essay fragments and anecdotes collected by the BSD fortune project, shipped as plain text). Only
-multi-sentence English prose entries are kept: poems, dialogues, code, definitions and ASCII art
-are dropped, attribution lines (``-- Author``) are removed, whitespace is collapsed. The result
-(about 55K words, 300 KB, ~70K project tokens) is joined in a fixed order and repeated as needed,
-exactly as RULER repeats its essays. ``FORTUNES_DIR`` can point elsewhere.
+time and which are not redistributable. NoteBank must build its benchmarks offline, so the prose is
+shipped inside the package: ``nbcore/tasks/data/prose.txt.gz`` (120 KB gzip, 300 KB of text, about
+55K words, ~70K project tokens). It was made once from Debian's ``fortunes`` package (Debian
+1:1.99.1-7.3, data files ``/usr/share/games/fortunes/*``: quotations, essay fragments and anecdotes
+collected by the BSD fortune project) by ``build_prose`` below. Only multi-sentence English prose
+entries are kept: poems, dialogues, code, definitions and ASCII art are dropped, attribution lines
+(``-- Author``) are removed, whitespace is collapsed, and the paragraphs are joined in a fixed order.
+It is repeated as needed, exactly as RULER repeats its essays. The collection is distributed under
+the BSD licence of fortune-mod; ``nbcore/tasks/data/PROSE-COPYRIGHT`` is Debian's copyright file for
+it. No system package is needed at run time. ``FORTUNES_DIR=/usr/share/games/fortunes`` rebuilds
+the text from an installed ``fortunes`` instead (it must hash to ``PROSE_SHA256``); rebuild the
+shipped file with ``python -m nbcore.tasks.haystack --rebuild DIR``.
 
 Do not change the selection or cleaning without rebuilding the tokenizer and the shipped models:
 the project tokenizer's merges were learned on this text.
@@ -16,6 +20,8 @@ the project tokenizer's merges were learned on this text.
 from __future__ import annotations
 
 import functools
+import gzip
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -23,7 +29,9 @@ from pathlib import Path
 #: RULER's noise haystack sentence block (scripts/data/synthetic/niah.py, type_haystack=noise).
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
-FORTUNES_DIR = Path(os.environ.get("FORTUNES_DIR", "/usr/share/games/fortunes"))
+#: The shipped prose and its sha256 (the text every shipped tokenizer/model and result was made on).
+PROSE_FILE = Path(__file__).with_name("data") / "prose.txt.gz"
+PROSE_SHA256 = "d83acc9a10ca9a9071e81650175a99381e83bc57ce622a75df2c11a1c3227b08"
 #: Prose-heavy collections, in the fixed order they are concatenated.
 PROSE_FILES = (
     "wisdom", "people", "work", "politics", "science", "art", "education", "law", "literature",
@@ -36,7 +44,7 @@ _BAD_LINE = re.compile(r"^\s*(--|\(\d|\d+[.)]|[A-Z][A-Za-z .]{0,20}:\s)")
 
 
 class HaystackUnavailable(RuntimeError):
-    """Raised when the prose package is not installed."""
+    """Raised when the prose text cannot be read (a damaged install, or a bad ``FORTUNES_DIR``)."""
 
 
 def _clean_entry(entry: str) -> str | None:
@@ -59,16 +67,15 @@ def _clean_entry(entry: str) -> str | None:
     return text
 
 
-@functools.lru_cache(maxsize=1)
-def essay_text() -> str:
-    """The whole prose corpus as one string (paragraphs joined by single spaces)."""
-    if not FORTUNES_DIR.is_dir():
-        raise HaystackUnavailable(
-            f"{FORTUNES_DIR} missing: the essay haystack needs Debian's 'fortunes' package "
-            "(apt-get install fortunes)")
+def build_prose(fortunes_dir: str | Path) -> str:
+    """Debian ``fortunes`` data files under ``fortunes_dir`` -> the prose corpus (paragraphs joined
+    by single spaces). This is how ``data/prose.txt.gz`` was made."""
+    fortunes_dir = Path(fortunes_dir)
+    if not fortunes_dir.is_dir():
+        raise HaystackUnavailable(f"{fortunes_dir}: no such folder (expected Debian's fortunes data files)")
     paras: list[str] = []
     for name in PROSE_FILES:
-        path = FORTUNES_DIR / name
+        path = fortunes_dir / name
         if not path.is_file():
             continue
         raw = path.read_text(encoding="utf-8", errors="replace")
@@ -77,8 +84,36 @@ def essay_text() -> str:
             if para:
                 paras.append(para)
     if not paras:
-        raise HaystackUnavailable(f"no prose found under {FORTUNES_DIR}")
+        raise HaystackUnavailable(f"no prose found under {fortunes_dir}")
     return " ".join(paras)
+
+
+def read_shipped_prose(path: Path = PROSE_FILE) -> str:
+    """The shipped prose, checked against ``PROSE_SHA256``."""
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise HaystackUnavailable(f"{path}: the shipped haystack prose is missing or damaged ({e}); "
+                                  "reinstall the package") from e
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != PROSE_SHA256:
+        raise HaystackUnavailable(f"{path}: sha256 {digest} is not the shipped prose's {PROSE_SHA256}")
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def essay_text() -> str:
+    """The whole prose corpus as one string: the shipped file, or rebuilt from ``$FORTUNES_DIR``."""
+    src = os.environ.get("FORTUNES_DIR")
+    if not src:
+        return read_shipped_prose()
+    text = build_prose(src)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != PROSE_SHA256:
+        raise HaystackUnavailable(
+            f"FORTUNES_DIR={src} gives prose with sha256 {digest}, not the shipped {PROSE_SHA256}: another "
+            "fortunes release; unset FORTUNES_DIR to use the shipped text")
+    return text
 
 
 def essay_available() -> bool:
@@ -114,3 +149,19 @@ _SPLIT = re.compile(r"(?<=[.!?])\s+(?=[\"'(A-Z0-9])")
 def split_sentences(text: str) -> list[str]:
     """Rule-based sentence split (stands in for nltk's ``sent_tokenize`` used by RULER)."""
     return [s for s in _SPLIT.split(text.strip()) if s]
+
+
+def _main(argv=None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description="Rebuild nbcore/tasks/data/prose.txt.gz from Debian's fortunes files")
+    ap.add_argument("--rebuild", metavar="DIR", required=True, help="fortunes data folder, e.g. /usr/share/games/fortunes")
+    ap.add_argument("--out", default=str(PROSE_FILE), help="output .gz (default: the shipped file)")
+    args = ap.parse_args(argv)
+    text = build_prose(args.rebuild)
+    with open(args.out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=9) as g:
+        g.write(text.encode("utf-8"))  # mtime 0, no name: the same text gives the same bytes
+    print(f"{args.out}: {len(text)} characters, sha256 {hashlib.sha256(text.encode()).hexdigest()}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -14,7 +14,7 @@ Deliberate differences (why):
   budget <= target).
 * Keys: adjective-noun pairs from our own word lists (RULER uses wonderwords' lists), split into
   disjoint train/test keys by a fixed seeded permutation, so trained backbones never saw a test key.
-* Essay haystack: prose from Debian's ``fortunes`` package (see ``haystack``), not Paul Graham.
+* Essay haystack: the shipped prose (from Debian's ``fortunes`` collection, see ``haystack``), not Paul Graham.
 * The essay haystack starts at word 0 for the test split (as RULER) and at a seeded offset for the
   train split (more varied training prose).
 """
