@@ -61,26 +61,21 @@ def _ruler_inputs(cfg, corpus: str, questions: str) -> tuple[str, str]:
 def run(cfg) -> dict:
     from pipeline.config import IngestJobConfig, QueryJobConfig
     from pipeline.ingest import run_ingest
-    from pipeline.pool import start_workers, stop_workers
     from pipeline.query import run_query
     if cfg.model.path and "://" not in cfg.model.path and os.path.isdir(cfg.model.path):
         cfg.model.path = os.path.abspath(cfg.model.path)        # actors may not share our cwd
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="notebank-demo-")
     os.makedirs(workdir, exist_ok=True)
     corpus, questions = make_inputs(cfg, workdir)
-    archive, answers = os.path.join(workdir, "archive"), os.path.join(workdir, "answers.parquet")
+    archive, answers = os.path.join(workdir, "archive"), os.path.join(workdir, "answers")
     ing = IngestJobConfig(corpus=corpus, output=archive, model=cfg.model, notebank=cfg.notebank,
                           block_size=cfg.block_size, actors=cfg.actors, ray=cfg.ray, progress=cfg.progress)
     qry = QueryJobConfig(questions=questions, archive=archive, output=answers, model=cfg.model,
                          methods=list(cfg.methods), read=cfg.read, actors=cfg.actors, ray=cfg.ray,
                          progress=cfg.progress)
-    workers = start_workers(cfg.model, cfg.actors)     # one pool for both stages: the model loads once
-    try:
-        s_ing = run_ingest(ing, workers=workers)
-        s_ing.pop("failures", None)
-        s_qry = run_query(qry, workers=workers)
-    finally:
-        stop_workers(workers[0])
+    s_ing = run_ingest(ing)
+    s_ing.pop("failures", None)
+    s_qry = run_query(qry)
     return {"workdir": workdir, "ingest": s_ing, "query": s_qry}
 
 

@@ -116,6 +116,11 @@ class IngestJobConfig:
     mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
     append: bool = False                   # mone: a row whose doc_id is archived with other text continues
                                            # its fast-weight state (incremental ingest)
+    mode: str = "ingest"                   # ingest | append (notebank: rows carry an archived doc_id and the
+                                           # text to add; the document continues from its stored state)
+    docs_per_group: int = 64               # corpus rows per group: one notes part + one commit per group
+    verify: bool = False                   # rerun: also check committed files' sha256 (not only sizes)
+    state_piece_mib: int = 1024            # states above this are written in pieces of about this size
 
     def validate(self):
         if not self.corpus:
@@ -125,8 +130,18 @@ class IngestJobConfig:
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
         validate_memory(self.memory, self.model)
+        if self.mode not in ("ingest", "append"):
+            raise ConfigError(f"mode must be ingest or append, got {self.mode!r}")
+        if self.memory == "mone" and self.mode == "append":
+            self.append = True
         if self.append and self.memory != "mone":
-            raise ConfigError("append: true needs memory: mone (NoteBank archives are not appendable)")
+            raise ConfigError("append: true is the MoNe switch; for NoteBank archives use mode: append")
+        if self.docs_per_group < 1:
+            raise ConfigError(f"docs_per_group must be >= 1, got {self.docs_per_group}")
+        if self.state_piece_mib < 1:
+            raise ConfigError(f"state_piece_mib must be >= 1, got {self.state_piece_mib}")
+        if self.limit is not None and self.limit < 0:
+            raise ConfigError(f"limit must be >= 0 or null, got {self.limit}")
         self.model.validate()
         self.actors.validate()
         try:

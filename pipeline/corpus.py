@@ -129,3 +129,171 @@ def _jsonable(meta: dict) -> dict:
         except (TypeError, ValueError):
             out[str(k)] = repr(v)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Shard scans and group reads for the Ray Data ingest/query (run inside Ray tasks, never the driver)
+
+def shard_slug(url: str) -> str:
+    """A file-name-safe, stable name for a shard: its base name plus a hash of the whole URL."""
+    import hashlib
+    import posixpath
+    import re as _re
+    base = posixpath.basename(url.rstrip("/"))
+    for suf in SUFFIXES:
+        if base.endswith(suf):
+            base = base[: -len(suf)]
+            break
+    base = _re.sub(r"[^A-Za-z0-9_.=-]+", "_", base)[:60] or "shard"
+    return f"{base}-{hashlib.sha1(url.encode()).hexdigest()[:8]}"
+
+
+def _text_sha(text) -> str | None:
+    import hashlib
+    return hashlib.sha256(text.encode("utf-8")).hexdigest() if isinstance(text, str) else None
+
+
+def iter_shard(url: str, seek: dict | None = None):
+    """-> (row index, parsed row or None, error or None, seek point) of one shard, from `seek` on
+    ({"offset": bytes, "row": i} for plain JSONL; {"row": i} for Parquet: whole row groups before it
+    are skipped; gzip is read from the start). Raises ShardError when the shard cannot be read further."""
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        if path.endswith(".jsonl") or path.endswith(".json"):
+            yield from _iter_jsonl_at(fs, path, seek or {})
+            return
+        if path.endswith(".parquet") and seek:
+            yield from _iter_parquet_at(fs, path, int(seek.get("row", 0)))
+            return
+        for i, raw, err in iter_raw_rows(fs, path):
+            yield i, raw, err, {"row": i}
+    except (ValueError, OSError, EOFError) as e:   # truncated/corrupt Parquet, unreadable gzip ...
+        raise ShardError(str(e)) from e
+
+
+def _iter_jsonl_at(fs, path: str, seek: dict):
+    off, i = int(seek.get("offset", 0)), int(seek.get("row", 0))
+    with fs.open(path, "rb") as f:
+        if off:
+            f.seek(off)
+        for raw in f:
+            here, off = off, off + len(raw)
+            if raw.strip():
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield i, None, f"invalid UTF-8 at byte {e.start} of line {i + 1}", {"offset": here, "row": i}
+                    i += 1
+                    continue
+                try:
+                    yield i, json.loads(line), None, {"offset": here, "row": i}
+                except json.JSONDecodeError as e:
+                    yield i, None, f"invalid JSON on line {i + 1}: {e.msg}", {"offset": here, "row": i}
+            i += 1
+
+
+def _iter_parquet_at(fs, path: str, row: int):
+    with fs.open(path, "rb") as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:
+            raise ValueError(f"{fs.unstrip_protocol(path)}: not a readable Parquet file: {e}") from e
+        first, groups = 0, []
+        for k in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(k).num_rows
+            if first + n > row:
+                groups.append(k)
+            elif not groups:
+                first += n
+        i = first
+        for k in groups:
+            try:
+                t = pf.read_row_group(k)
+            except Exception as e:
+                raise ValueError(f"{fs.unstrip_protocol(path)}: Parquet shard unreadable after row {i} "
+                                 f"(truncated or corrupted?): {e}") from e
+            for r in t.to_pylist():
+                yield i, r, None, {"row": i}
+                i += 1
+
+
+class ShardError(RuntimeError):
+    """A shard could not be read (any further): recorded as failed, the other shards go on."""
+
+
+def scan_corpus_shard(item: dict) -> dict:
+    """Ray Data map fn: {"shard": url} -> {"shard", "rows": JSON [[row, doc_id, text_sha256, error]],
+    "shard_error"}. Reads ids and hashes only; the text stays in the task."""
+    rows, shard_err = [], None
+    try:
+        for i, raw, err, at in iter_shard(item["shard"]):
+            if err:
+                rows.append([i, None, None, err, at])
+                continue
+            doc_id, text, _meta, err = check_corpus_row(raw)
+            rows.append([i, doc_id, _text_sha(text), err, at])
+    except ShardError as e:
+        shard_err = str(e)
+    return {"shard": item["shard"], "rows": json.dumps(rows), "shard_error": shard_err}
+
+
+def read_corpus_group(item: dict) -> list[dict]:
+    """Ray Data flat_map fn: {"shard", "group", "seek", "plan": JSON {row: [action, reason, extra]}} ->
+    [{"group", "payload": JSON [doc dicts]}]: one group's planned rows, read from its seek point."""
+    want = {int(r): d for r, d in json.loads(item["plan"]).items()}
+    docs = []
+    shard = item["shard"]
+    try:
+        for i, raw, err, _at in iter_shard(shard, json.loads(item["seek"])):
+            if i not in want:
+                if want and i > max(want):
+                    break
+                continue
+            action, reason, extra = want.pop(i)
+            doc = {"row": i, "shard": shard, "action": action, "reason": reason, **(extra or {})}
+            if action in ("ingest", "append"):
+                doc_id, text, meta, err2 = check_corpus_row(raw) if raw is not None else (None, None, {}, err)
+                doc.update(doc_id=doc_id, text=text, metadata=_jsonable(meta))
+            docs.append(doc)
+            if not want:
+                break
+    except ShardError as e:
+        for i in want:
+            docs.append({"row": i, "shard": shard, "action": "fail", "reason": f"shard unreadable: {e}"})
+    return [{"group": item["group"], "payload": json.dumps(docs)}] if docs else []
+
+
+def scan_question_shard(item: dict) -> dict:
+    """Ray Data map fn: {"shard"} -> {"shard", "rows": JSON [[row, question_id, doc_id, error]], "shard_error"}."""
+    rows, shard_err = [], None
+    try:
+        for i, raw, err, _at in iter_shard(item["shard"]):
+            if err is None:
+                q, err = check_question_row(raw)
+            else:
+                q = None
+            qid = q["question_id"] if q else (raw.get("question_id") if isinstance(raw, dict) else None)
+            did = q["doc_id"] if q else (raw.get("doc_id") if isinstance(raw, dict) else None)
+            rows.append([i, None if qid is None else str(qid), None if did is None else str(did), err])
+    except ShardError as e:
+        shard_err = str(e)
+    return {"shard": item["shard"], "rows": json.dumps(rows), "shard_error": shard_err}
+
+
+def read_question_rows(item: dict) -> list[dict]:
+    """Ray Data flat_map fn: {"shard", "keep": JSON {row: [methods]}} -> question rows to answer."""
+    keep = {int(k): v for k, v in json.loads(item["keep"]).items()}
+    out = []
+    try:
+        for i, raw, err, _at in iter_shard(item["shard"]):
+            if i not in keep or err:
+                continue
+            q, err = check_question_row(raw)
+            if q is None:
+                continue
+            out.append({"doc_id": q["doc_id"], "question_id": q["question_id"], "question": q["question"],
+                        "answers": json.dumps(q["answers"]), "methods": json.dumps(keep[i]),
+                        "source_shard": item["shard"], "source_row": i})
+    except ShardError:
+        pass   # the scan saw the same failure: those rows were never planned
+    return out

@@ -1,23 +1,34 @@
-"""Ingest: corpus shards -> per-document archives (notes Parquet + state safetensors + manifest).
+"""Ingest on Ray Data: corpus shards -> archive (layout v2, pipeline/archive.py).
 
-Driver: reads the corpus lazily, validates rows and doc ids, skips committed documents, dispatches
-documents to backbone actors (bounded in flight), and commits each result (pipeline.store). The
-driver is the only writer, so a killed actor (Ray restarts it and retries its calls) or a killed
-driver (the rerun redoes uncommitted documents, deterministically) never duplicates or loses a
-document.
+    scan   ray.data.from_items(shards).map(scan_corpus_shard)     ids + text hashes only (Ray tasks)
+    plan   driver: fixed groups of `docs_per_group` rows per shard; drop committed groups and documents,
+           reject bad rows and duplicate ids -- before any model work
+    read   .flat_map(read_corpus_groups)                          the planned rows' text (Ray tasks)
+    write  .map_batches(IngestActor, batch_size=1, concurrency=n, num_gpus=g, accelerator_type=...)
+           one frozen backbone per actor; the actor writes states, the group's notes and documents
+           parts and the commit record straight to the store, and returns one small record per row
+The driver holds ids, hashes and records, never text, notes or states. Ray Data schedules, retries
+(a killed actor is restarted and its group redone, with the same bytes) and applies backpressure.
+A killed driver leaves committed groups; the rerun redoes the rest. One writer per output folder
+(a lease); paths that escape the folder through symlinks are refused.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import sys
 import time
 from typing import Callable, Iterator
 
 from pipeline.archive_io import run_fingerprint
 from pipeline.config import IngestJobConfig
 from pipeline.corpus import Row, iter_corpus
-from pipeline.pool import dispatch, start_workers, worker_failure, worker_pool
 from pipeline.store import ArchiveStore, doc_key
 from schemas.manifest import DocRecord
+
+log = logging.getLogger(__name__)
 
 
 def sha256_text(text: str) -> str:
@@ -25,79 +36,18 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[DocRecord], None] | None = None,
+def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = None,
                workers: tuple | None = None) -> dict:
     """Run one ingest job (Ray must be initialised). Returns the summary dict.
 
-    on_commit(record) is called after each document record is written (tests, progress hooks).
-    workers: (handles, infos) of an existing pool to reuse (benchmarks); else a pool is started and
-    stopped here. `memory: mone` ingests per-document MoNe states instead (pipeline.mone_pipeline)."""
+    on_commit(record) is called for each row's small record as it arrives (tests, progress hooks).
+    `memory: mone` ingests per-document MoNe states instead (pipeline.mone_pipeline)."""
     cfg.validate()
     if cfg.memory == "mone":
         from pipeline.mone_pipeline import run_ingest_mone
         return run_ingest_mone(cfg, on_commit=on_commit, workers=workers)
-    t_start = time.perf_counter()
-    store = open_output(cfg.output)
-    with worker_pool(workers, start_workers, cfg.model, cfg.actors) as (handles, infos):
-        i0 = infos[0]
-        fp = run_fingerprint(i0["fingerprint"], i0["family"], i0["n_channels"], cfg.notebank, i0.get("tokenizer"))
-        store.check_or_write_run(fp)
-        done = {k: r for k, r in store.load_records().items() if r.status == "ok"}
-        tally = Tally(dict(docs_ok=0, docs_skipped=0, docs_failed=0, tokens=0, notes=0, bytes=0), cfg.progress)
-        nb = cfg.notebank.to_dict()
-
-        def fail(rec: DocRecord):
-            store.record_failure(rec)
-            tally.failed(rec.doc_id, rec.error, rec.source)
-            if on_commit:
-                on_commit(rec)
-
-        def reject(error, base, committed):
-            fail(DocRecord(error=error, **base))
-
-        def tasks():
-            for row, key, base in new_rows(cfg, fp, done, reject):
-                text_sha = sha256_text(row.text)
-                prev = done.get(key)
-                if prev is not None:
-                    if prev.text_sha256 != text_sha:
-                        # keep the committed archive (not rewritten): never mix two versions of a document
-                        tally.failed(row.doc_id, "already archived with different text; use a new output folder",
-                                     row.source)
-                    else:
-                        tally.skipped()
-                    continue
-                base.update(key=key, text_sha256=text_sha)
-                yield {"doc_id": row.doc_id, "text": row.text, "base": base}
-
-        def submit(actor, t):
-            return actor.ingest_doc.remote({"doc_id": t["doc_id"], "text": t["text"]}, nb, cfg.block_size)
-
-        def on_done(t, res, err):
-            base = t["base"]
-            if err is not None:
-                return fail(DocRecord(error=worker_failure(err), **base))
-            if not res["ok"]:
-                return fail(DocRecord(error=res["error"], **base))
-            base = {k: v for k, v in base.items() if k != "status"}
-            rec = DocRecord(status="ok", n_tokens=res["n_tokens"], n_notes=res["n_notes"],
-                            n_archived_tokens=res["n_archived_tokens"], timings=res["timings"], **base)
-            rec = store.commit(base["key"], res["notes"], res["state"], rec)
-            stats = tally.stats
-            stats["docs_ok"] += 1
-            stats["tokens"] += rec.n_tokens
-            stats["notes"] += rec.n_notes
-            stats["bytes"] += rec.bytes
-            tally.bar.update(1)
-            el = time.perf_counter() - t_start
-            tally.bar.set_postfix(tokens=stats["tokens"], tok_s=f"{stats['tokens'] / max(el, 1e-9):.0f}",
-                                  refresh=False)
-            if on_commit:
-                on_commit(rec)
-
-        dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
-        tally.bar.close()
-    return tally.summary(t_start, cfg.output)
+    from pipeline.dataplane import ingest_dataset
+    return ingest_dataset(cfg, on_commit=on_commit)
 
 
 # ------------------------------------------------------------------------------------------------

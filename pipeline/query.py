@@ -46,24 +46,41 @@ def _rc_dict(rc) -> dict:
 
 
 def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
-    """`memory: mone` answers from per-document MoNe states instead (pipeline.mone_pipeline)."""
+    """Questions -> answers dataset (pipeline.dataplane.query_dataset, on Ray Data). `memory: mone`
+    answers from per-document MoNe states instead (pipeline.mone_pipeline)."""
     cfg.validate()
     if cfg.memory == "mone":
         from pipeline.mone_pipeline import run_query_mone
         return run_query_mone(cfg, workers=workers)
-    t_start = time.perf_counter()
-    store, run = open_archive(cfg.archive)
-    if run["fingerprint"].get("memory", "notebank") != "notebank":
-        raise FingerprintMismatch(f"{cfg.archive} holds {run['fingerprint']['memory']} memory states, not NoteBank "
-                                  f"archives: set memory: {run['fingerprint']['memory']}")
-    questions, rejected = read_questions(cfg.questions)
-    rc_dicts = [_rc_dict(rc) for rc in cfg.read_configs()]
-    with worker_pool(workers, start_workers, cfg.model, cfg.actors) as (handles, infos):
-        check_fingerprints(store, run, infos[0], "archives")
-        rows = answer_documents(cfg, store, handles, questions, rc_dicts,
-                                fail_rows=lambda qs, why: [_fail(q, rc, why) for q in qs for rc in rc_dicts],
-                                record_cls=DocRecord, payload=store.document_payload, stored="archived")
-    return write_answers(cfg.output, rows, rejected, t_start)
+    from pipeline.dataplane import query_dataset
+    return query_dataset(cfg)
+
+
+def rc_json(rc) -> str:
+    return _rc_json(rc)
+
+
+def answer_rows_table(rows: list[dict]):
+    for r in rows:
+        r.pop("trace", None)
+    rows.sort(key=lambda r: (r["doc_id"], r["question_id"], r["method"]))
+    return answers_table(rows)
+
+
+def write_rejected(out, rejected: list[dict], methods: list[str], provenance: dict) -> list[dict]:
+    """Failed rows for questions that were not answered (bad rows, duplicates, unknown documents),
+    written by the driver as one answers part. -> the rows."""
+    import hashlib
+    import json as _json
+    rows = []
+    for r in rejected:
+        for m in (r.get("methods") or ["-"]):
+            rows.append({"question_id": str(r["question_id"]), "doc_id": str(r.get("doc_id") or ""), "method": m,
+                         "read_config": "{}", "status": "failed", "error": r["error"],
+                         "source_shard": r.get("source_shard"), "source_row": r.get("source_row"), **provenance})
+    key = hashlib.sha1(_json.dumps(sorted((r["question_id"], r["method"], r["source_row"] or 0) for r in rows)).encode()).hexdigest()[:16]
+    out.atomic_write(f"part-rejected-{key}.parquet", table_to_parquet_bytes(answer_rows_table(rows)))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------

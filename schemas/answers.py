@@ -1,4 +1,5 @@
-"""Answers Parquet: one row per (question, method)."""
+"""Answers Parquet: one row per (question, method). A query job writes a *dataset* of these files
+(`part-*.parquet` in its output folder), readable as one table. v2 added provenance columns."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -6,7 +7,7 @@ import pyarrow as pa
 from schemas._base import check_table, with_meta
 
 NAME = "answers"
-VERSION = 1
+VERSION = 2
 
 
 def answers_schema() -> pa.Schema:
@@ -29,6 +30,12 @@ def answers_schema() -> pa.Schema:
         f("total_s", pa.float64()),
         f("answers", pa.list_(pa.string())),                 # references, when given
         f("score", pa.float64()),                            # 0..100, when references given
+        f("source_shard", pa.string()),                      # the question row's shard and row
+        f("source_row", pa.int64()),
+        f("load_s", pa.float64()),                           # loading the document's state and notes
+        f("archive", pa.string()),                           # provenance: archive URL,
+        f("model_fingerprint", pa.string()),                 # the model that answered,
+        f("notebank", pa.string()),                          # and the archive's NoteBank config (JSON)
     ]), NAME, VERSION, {"score.metric": "RULER string_match_all x100 (nbcore.tasks.ruler when present)"})
 
 

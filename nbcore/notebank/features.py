@@ -64,9 +64,17 @@ class ChunkReducer(FeatureTap):
     """Reduces each layer's features on the fly to what NoteBank keeps:
     per-channel distinctiveness [T, H] (if chunk_size) and compacted queries [T, H, d_rho].
 
-    `offset` is the document position of the first token of this forward call."""
+    `offset` is the document position of the first token of this forward call.
 
-    def __init__(self, coords: torch.Tensor, heads_per_layer: int, chunk_size: int | None, offset: int = 0):
+    Resumed ingest (`nbcore.reader.append`): the first call may start inside a chunk. Then
+    `prefix_keys` [t0, J, d] are the raw native keys of the t0 tokens before `offset` that belong
+    to the same chunk (`offset - t0` must be a chunk boundary): they join that chunk's mean key
+    exactly as in a one-pass read, and `prefix_dist()` gives their distinctiveness recomputed with
+    it. `keep_partial=True` keeps the raw keys of the trailing incomplete chunk (prefix included)
+    for the next resume: `partial_keys()`; at most C - 1 rows, never a whole block."""
+
+    def __init__(self, coords: torch.Tensor, heads_per_layer: int, chunk_size: int | None, offset: int = 0,
+                 prefix_keys: torch.Tensor | None = None, keep_partial: bool = False):
         self.coords = coords                     # [J, d_rho]
         self.H = heads_per_layer
         self.chunk_size = chunk_size
@@ -74,14 +82,35 @@ class ChunkReducer(FeatureTap):
         self.dist: dict[int, list[torch.Tensor]] = {}
         self.qc: dict[int, list[torch.Tensor]] = {}
         self._pos: dict[int, int] = {}           # tokens already seen per layer in this call
+        if prefix_keys is not None and prefix_keys.shape[0] == 0:
+            prefix_keys = None
+        if prefix_keys is not None and not chunk_size:
+            raise ValueError("prefix_keys need a chunk_size")
+        self.prefix_keys = prefix_keys           # [t0, J, d] or None
+        self.keep_partial = keep_partial
+        self._prefix_dist: dict[int, torch.Tensor] = {}
+        self._partial: dict[int, torch.Tensor] = {}
 
     def on_layer(self, rec_idx, q, k):
         pos = self._pos.get(rec_idx, 0)
         self._pos[rec_idx] = pos + q.shape[0]
-        coords = self.coords[rec_idx * self.H:(rec_idx + 1) * self.H]
-        self.qc.setdefault(rec_idx, []).append(compact(q, coords).to(torch.bfloat16))
-        if self.chunk_size:
-            self.dist.setdefault(rec_idx, []).append(chunk_distinctiveness(k, self.chunk_size, self.offset + pos))
+        sl = slice(rec_idx * self.H, (rec_idx + 1) * self.H)
+        self.qc.setdefault(rec_idx, []).append(compact(q, self.coords[sl]).to(torch.bfloat16))
+        if not self.chunk_size:
+            return
+        start, n_pre = self.offset + pos, 0
+        if pos == 0 and self.prefix_keys is not None:
+            pre = self.prefix_keys[:, sl].to(device=k.device, dtype=k.dtype)
+            n_pre = pre.shape[0]
+            k, start = torch.cat([pre, k]), start - n_pre
+        d = chunk_distinctiveness(k, self.chunk_size, start)
+        if n_pre:
+            self._prefix_dist[rec_idx] = d[:n_pre]
+            d = d[n_pre:]
+        self.dist.setdefault(rec_idx, []).append(d)
+        if self.keep_partial:
+            r = (start + k.shape[0]) % self.chunk_size      # start is chunk-aligned: r <= len(k)
+            self._partial[rec_idx] = k[k.shape[0] - r:].float().clone()
 
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """-> (dist [T, J] fp32 or None, qc [T, J, d_rho] bf16)."""
@@ -91,6 +120,20 @@ class ChunkReducer(FeatureTap):
         if self.chunk_size:
             dist = torch.cat([torch.cat(self.dist[i], 0) for i in layers], dim=1)
         return dist, qc
+
+    def prefix_dist(self) -> torch.Tensor | None:
+        """[t0, J] fp32: distinctiveness of the prefix tokens, recomputed with this call's keys
+        (None without prefix_keys)."""
+        if self.prefix_keys is None:
+            return None
+        return torch.cat([self._prefix_dist[i] for i in sorted(self.qc)], dim=1)
+
+    def partial_keys(self) -> torch.Tensor | None:
+        """[r, J, d] fp32 raw keys of the trailing incomplete chunk after this call (r = 0 when the
+        call ends on a chunk boundary); None unless keep_partial."""
+        if not self.keep_partial:
+            return None
+        return torch.cat([self._partial[i] for i in sorted(self.qc)], dim=1)
 
 
 def reference_features(q: torch.Tensor, k: torch.Tensor, coords: torch.Tensor, chunk_size: int):

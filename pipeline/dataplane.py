@@ -1,0 +1,478 @@
+"""The Ray Data drivers: ingest (corpus -> archive) and query (questions -> answers dataset).
+
+See pipeline/ingest.py and pipeline/query.py for the stage diagrams. What the driver holds: shard
+URLs, per-row ids and hashes from the scans, the plan, and one small record per row. Never text,
+notes or states.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections import defaultdict
+
+import fsspec
+
+from pipeline.archive import Archive, ArchiveError, FingerprintMismatch, fingerprint_digest
+from pipeline.archive_io import run_fingerprint
+from pipeline.config import ConfigError
+from pipeline.corpus import list_shards, shard_slug
+from pipeline.store import doc_key
+
+log = logging.getLogger(__name__)
+
+
+class _NoBar:
+    def update(self, n=1): pass
+    def set_postfix(self, **kw): pass
+    def close(self): pass
+
+
+def progress_bar(enabled: bool, total: int, unit: str, desc: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, unit=unit, desc=desc, mininterval=1.0, dynamic_ncols=True)
+
+
+def _is_process_local(url: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(url)
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "memory" in protos
+
+
+def _require_shared_store(url: str, what: str) -> None:
+    if _is_process_local(url):
+        raise ConfigError(f"{what}={url}: memory:// lives inside one process, and Ray actors write the archive "
+                          f"themselves; use a local path or a shared store (s3://, gs://, ...)")
+
+
+def _run_info(job: str) -> dict:
+    return {"job": job, "argv": " ".join(sys.argv)[:500], "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def quiet_ray_data(progress: bool) -> None:
+    """Our own progress bar (with totals) replaces Ray Data's per-operator bars and INFO lines."""
+    import ray
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.verbose_stats_logs = False
+    for name in ("ray.data", "ray.data._internal.execution.streaming_executor"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def probe_model(model: dict, actors) -> dict:
+    """Load the model once in a Ray task with the actors' resources -> fingerprint, family, channels.
+    A bad checkpoint fails here, once, with one clear error (not one per actor restart)."""
+    import ray
+
+    def _probe(model):
+        from pipeline.worker import NoteBankWorker
+        try:
+            w = NoteBankWorker(model, 1)
+        except Exception as e:   # noqa: BLE001 - reported to the user as one line
+            return {"error": f"{type(e).__name__}: {e}"}
+        info = w.info()
+        info["tokenizer_name"] = model.get("tokenizer") or model.get("path")
+        return info
+
+    opts = {"num_cpus": actors.num_cpus, "num_gpus": actors.num_gpus, "max_retries": 0}
+    if actors.accelerator_type:
+        opts["accelerator_type"] = actors.accelerator_type
+    info = ray.get(ray.remote(_probe).options(**opts).remote(model))
+    if "error" in info:
+        raise ConfigError(f"model could not be loaded ({model.get('path') or model.get('hf_config', {}).get('model_type')}): "
+                          f"{info['error']}")
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# ingest
+
+def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tuple[dict, dict, list[str]]:
+    """-> (valid commit records by group, {doc_id: latest ok/failed entry info}, problems).
+    A group whose files do not match its record is taken out of the committed set (redone)."""
+    commits, problems = store.load_commits()
+    sizes = store.file_sizes() if commits else {}
+    valid = {}
+    for g, rec in commits.items():
+        bad = store.group_problems(rec, sizes, verify)
+        if bad:
+            if repair:
+                problems.append(f"group {g} is redone: " + "; ".join(bad[:3]))
+                store.invalidate(g)
+            else:
+                problems.append(f"group {g} is damaged, its documents are not answered: " + "; ".join(bad[:3]))
+            continue
+        valid[g] = rec
+    docs: dict[str, dict] = {}
+    for g, rec in valid.items():
+        for e in rec.documents:
+            if e.status != "ok" or e.doc_id is None:
+                continue
+            cur = docs.get(e.doc_id)
+            if cur is None or e.generation > cur["generation"]:
+                docs[e.doc_id] = {"group": g, "generation": e.generation, "key": e.key, "n_tokens": e.n_tokens,
+                                  "state": [r.__dict__ for r in e.state], "shas": set(),
+                                  "notes_files": [], "source": e.source}
+    for g, rec in valid.items():   # every generation's notes part and text hash
+        for e in rec.documents:
+            if e.status == "ok" and e.doc_id in docs:
+                docs[e.doc_id]["shas"].add(e.text_sha256)
+                if rec.notes is not None and e.n_notes and rec.notes.path not in docs[e.doc_id]["notes_files"]:
+                    docs[e.doc_id]["notes_files"].append(rec.notes.path)
+    return valid, docs, problems
+
+
+def plan_groups(scans: list[dict], committed_groups: dict, committed: dict, cfg) -> tuple[dict, dict]:
+    """-> ({shard: {group: {row: [action, reason, extra]}}}, counters). Decides every row before any
+    model work: ingest / append / skip (same text committed) / fail (bad row, duplicate, other text)."""
+    G = cfg.docs_per_group
+    plan: dict[str, dict] = {}
+    counts = defaultdict(int)
+    seen: dict[str, str] = {}
+    seeks: dict = {}
+    n_rows = 0
+    for sc in scans:
+        shard, rows = sc["shard"], json.loads(sc["rows"])
+        slug = shard_slug(shard)
+        groups: dict[str, dict] = {}
+        incomplete_from = None
+        if sc["shard_error"]:
+            # only whole groups before the failure point are committed; the rest waits for a fixed shard
+            last = rows[-1][0] + 1 if rows else 0
+            incomplete_from = (last // G) * G
+        for row, doc_id, sha, err, at in rows:
+            if cfg.limit is not None and n_rows >= cfg.limit:
+                break
+            n_rows += 1
+            gid = f"{slug}-{row // G:06d}"
+            if gid in committed_groups:
+                counts["rows_in_committed_groups"] += 1
+                for e in committed_groups[gid].documents:
+                    if e.source and e.source.get("row") == row:
+                        counts["skipped" if e.status in ("ok", "skipped") else "failed_before"] += 1
+                continue
+            if incomplete_from is not None and row >= incomplete_from:
+                counts["deferred"] += 1
+                continue
+            key, kerr = doc_key(doc_id) if doc_id is not None else (None, None)
+            decision: list
+            if err or kerr:
+                decision = ["fail", err or kerr, {"doc_id": doc_id if not kerr else doc_id}]
+            elif doc_id in seen:
+                decision = ["fail", f"duplicate doc_id (first seen at {seen[doc_id]})", {"doc_id": doc_id}]
+            else:
+                seen[doc_id] = f"{shard}:{row}"
+                prev = committed.get(doc_id)
+                if prev is not None and sha in prev["shas"]:
+                    decision = ["skip", None, {"doc_id": doc_id, "key": key}]
+                elif prev is not None and cfg.mode != "append":
+                    decision = ["fail", "already archived with different text; use a new output folder, or "
+                                        "mode: append to add this text to the document", {"doc_id": doc_id}]
+                elif prev is not None:
+                    decision = ["append", None, {"doc_id": doc_id, "key": key, "generation": prev["generation"] + 1,
+                                                 "previous": {k: prev[k] for k in ("state", "notes_files", "generation",
+                                                                                   "n_tokens")}}]
+                elif cfg.mode == "append":
+                    decision = ["fail", "mode: append, but the document is not archived yet (ingest it first)",
+                                {"doc_id": doc_id}]
+                else:
+                    decision = ["ingest", None, {"doc_id": doc_id, "key": key, "generation": 0}]
+            decision[2]["group_id"] = gid
+            if gid not in groups:
+                seeks[(shard, gid)] = at               # where the group's first planned row starts
+            groups.setdefault(gid, {})[str(row)] = decision
+            counts[decision[0]] += 1
+        if groups:
+            plan[shard] = groups
+    counts["rows"] = n_rows
+    counts["seeks"] = seeks
+    return plan, dict(counts)
+
+
+def ingest_dataset(cfg, on_commit=None) -> dict:
+    import ray
+
+    from pipeline.safety import acquire_lease, check_no_escape
+    t_start = time.perf_counter()
+    _require_shared_store(cfg.output, "output")
+    fs, shard_paths = list_shards(cfg.corpus)                  # a bad corpus path fails here, first
+    shards = [fs.unstrip_protocol(p) for p in shard_paths]
+    store = Archive(cfg.output)
+    check_no_escape(cfg.output, ["manifest", "notes", "documents", "state", "_lease.json"])
+    store.check_layout()
+    with acquire_lease(cfg.output, _run_info("ingest")) as lease:
+        quiet_ray_data(cfg.progress)
+        store.clean_tmp()
+        model = _model_dict(cfg.model)
+        info = probe_model(model, cfg.actors)
+        fp = run_fingerprint(info["fingerprint"], info["family"], info["n_channels"], cfg.notebank, info.get("tokenizer"))
+        fp["layout"] = 2
+        store.check_or_write_run(fp)
+        valid, committed, problems = committed_documents(store, cfg.verify)
+        for p in problems:
+            log.warning("%s", p)
+        scans = (ray.data.from_items([{"shard": s} for s in shards])
+                 .map(_scan_corpus, num_cpus=0.5).take_all())
+        order = {s: i for i, s in enumerate(shards)}
+        scans.sort(key=lambda sc: order[sc["shard"]])
+        plan, counts = plan_groups(scans, valid, committed, cfg)
+        stats = dict(docs_ok=0, docs_skipped=counts.get("skipped", 0), docs_failed=0, tokens=0, notes=0, bytes=0,
+                     groups=sum(len(g) for g in plan.values()), shards=len(shards), shards_failed=0)
+        failures = []
+        for sc in scans:
+            if sc["shard_error"]:
+                stats["shards_failed"] += 1
+                failures.append({"shard": sc["shard"], "error": f"shard unreadable: {sc['shard_error']}",
+                                 "doc_id": None, "source": {"shard": sc["shard"]}})
+                store.atomic_write(f"manifest/shards/{shard_slug(sc['shard'])}.json", json.dumps(
+                    {"shard": sc["shard"], "status": "failed", "error": sc["shard_error"],
+                     "rows_read": len(json.loads(sc["rows"]))}, indent=1).encode())
+        total = sum(len(rows) for g in plan.values() for rows in g.values())
+        bar = progress_bar(cfg.progress, total, "doc", "ingest")
+        if plan:
+            # one read task and one block per group: the actor pool gets as many inputs as groups
+            items = [{"shard": s, "group": g, "seek": json.dumps(counts["seeks"][(s, g)]), "plan": json.dumps(rows)}
+                     for s, groups in plan.items() for g, rows in groups.items()]
+            ds = ray.data.from_items(items, override_num_blocks=len(items))
+            ds = ds.flat_map(_read_groups, num_cpus=0.25)
+            # Ray Data restarts dead actors and retries their batches without limit (its defaults)
+            remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
+            from pipeline.actors import IngestActor
+            ds = ds.map_batches(
+                IngestActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors), num_cpus=cfg.actors.num_cpus,
+                num_gpus=cfg.actors.num_gpus or None,
+                fn_constructor_kwargs=dict(model=model, nb=cfg.notebank.to_dict(), block_size=cfg.block_size,
+                                           output=cfg.output, fp_digest=fingerprint_digest(fp),
+                                           tokenizer_name=info.get("tokenizer_name"),
+                                           torch_threads=cfg.actors.torch_threads or max(1, int(cfg.actors.num_cpus)),
+                                           piece_bytes=int(cfg.state_piece_mib) << 20,
+                                           expect_fingerprint=info["fingerprint"]),
+                **remote)
+            last_beat = time.monotonic()
+            for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
+                for rec in batch.to_dict("records"):
+                    _tally(stats, failures, rec)
+                    bar.update(1)
+                    if on_commit:
+                        on_commit(rec)
+                if time.monotonic() - last_beat > 30:
+                    lease.heartbeat()
+                    last_beat = time.monotonic()
+                el = time.perf_counter() - t_start
+                bar.set_postfix(tokens=stats["tokens"], tok_s=f"{stats['tokens'] / max(el, 1e-9):.0f}", refresh=False)
+        bar.close()
+    wall = time.perf_counter() - t_start
+    return {**stats, "docs_deferred": counts.get("deferred", 0), "wall_s": round(wall, 3),
+            "tokens_per_s": round(stats["tokens"] / wall, 1) if wall > 0 else 0.0, "output": cfg.output,
+            "problems": problems[:20], "failures": failures[:20]}
+
+
+def _tally(stats: dict, failures: list, rec: dict) -> None:
+    st = rec["status"]
+    if st == "ok":
+        stats["docs_ok"] += 1
+        stats["tokens"] += int(rec["n_tokens"] or 0)
+        stats["notes"] += int(rec["n_notes"] or 0)
+    elif st == "skipped":
+        stats["docs_skipped"] += 1
+    else:
+        stats["docs_failed"] += 1
+        if len(failures) < 20:
+            failures.append({"doc_id": rec["doc_id"], "error": rec["error"],
+                             "source": {"shard": rec["source_shard"], "row": int(rec["source_row"])}})
+    stats["bytes"] += int(rec["bytes"] or 0)
+
+
+def _scan_corpus(item):
+    from pipeline.corpus import scan_corpus_shard
+    return scan_corpus_shard(item)
+
+
+def _read_groups(item):
+    from pipeline.corpus import read_corpus_group
+    return read_corpus_group(item)
+
+
+def _model_dict(spec) -> dict:
+    import dataclasses
+    return dataclasses.asdict(spec)
+
+
+# ------------------------------------------------------------------------------------------------
+# query
+
+def existing_answers(out: Archive) -> tuple[set, list[str]]:
+    """(question_id, method) pairs already in the answers dataset; unreadable parts are set aside."""
+    import pyarrow.parquet as pq
+    done, problems = set(), []
+    if not out.fs.exists(out.root):
+        return done, problems
+    for p in sorted(out.fs.ls(out.root, detail=False)):
+        name = p.rsplit("/", 1)[-1]
+        if not (name.startswith("part-") and name.endswith(".parquet")):
+            continue
+        try:
+            with out.fs.open(p, "rb") as f:
+                t = pq.read_table(f, columns=["question_id", "method"])
+        except Exception as e:  # noqa: BLE001 - a damaged part: recomputed
+            problems.append(f"{out.fs.unstrip_protocol(p)}: unreadable ({type(e).__name__}), its answers are redone")
+            out.fs.mv(p, p + ".damaged")
+            continue
+        done.update(zip(t.column("question_id").to_pylist(), t.column("method").to_pylist()))
+    return done, problems
+
+
+def plan_questions(scans: list[dict], done: set, committed: dict, methods: list[str]):
+    """-> ({shard: {row: [methods]}}, rejected rows, counters)."""
+    keep: dict[str, dict] = {}
+    rejected, seen = [], {}
+    counts = defaultdict(int)
+    for sc in scans:
+        shard = sc["shard"]
+        if sc["shard_error"]:
+            rejected.append({"question_id": f"<{shard}>", "doc_id": "", "error": f"shard unreadable: {sc['shard_error']}",
+                             "source_shard": shard, "source_row": -1})
+        for row, qid, did, err in json.loads(sc["rows"]):
+            counts["rows"] += 1
+            src = {"source_shard": shard, "source_row": row}
+            if err:
+                if (qid or f"<row {row}>", "-") in done:
+                    continue
+                rejected.append({"question_id": qid or f"<row {row}>", "doc_id": did or "",
+                                 "error": f"bad question row ({shard}:{row}): {err}", **src})
+                continue
+            if qid in seen:
+                if (qid, "-") in done:
+                    continue                                # recorded by an earlier run
+                rejected.append({"question_id": qid, "doc_id": did, "error": f"duplicate question_id (first seen at "
+                                 f"{seen[qid]}); this row was not answered", **src})
+                continue
+            seen[qid] = f"{shard}:{row}"
+            missing = [m for m in methods if (qid, m) not in done]
+            if not missing:
+                counts["already_answered"] += 1
+                continue
+            if did not in committed:
+                rejected.append({"question_id": qid, "doc_id": did, "methods": missing,
+                                 "error": f"document {did!r} is not archived (or failed at ingest)", **src})
+                continue
+            keep.setdefault(shard, {})[str(row)] = missing
+            counts["to_answer"] += 1
+    return keep, rejected, dict(counts)
+
+
+def query_dataset(cfg) -> dict:
+    import ray
+
+    from pipeline.actors import QueryActor
+    from pipeline.query import rc_json, write_rejected
+    from pipeline.safety import acquire_lease, check_no_escape, check_query_output
+    t_start = time.perf_counter()
+    _require_shared_store(cfg.archive, "archive")
+    _require_shared_store(cfg.output, "output")
+    check_query_output(cfg.output, cfg.archive)
+    check_no_escape(cfg.output, ["_lease.json"])
+    fs, q_paths = list_shards(cfg.questions)
+    qshards = [fs.unstrip_protocol(p) for p in q_paths]
+    store = Archive(cfg.archive)
+    store.check_layout()
+    run = store.read_run()
+    if run is None:
+        raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no manifest/_run.json)")
+    out = Archive(cfg.output)
+    with acquire_lease(cfg.output, _run_info("query")) as lease:
+        quiet_ray_data(cfg.progress)
+        out.clean_tmp()
+        model = _model_dict(cfg.model)
+        info = probe_model(model, cfg.actors)
+        for what, mine in (("model", info["fingerprint"]), ("tokenizer", info.get("tokenizer"))):
+            theirs = run["fingerprint"].get(what)
+            if mine != theirs:
+                raise FingerprintMismatch(f"{store.url_of('manifest/_run.json')}: archives were written with {what} "
+                                          f"{theirs!r}, but the configured {what} is {mine!r}")
+        _valid, committed, problems = committed_documents(store, verify=False, repair=False)
+        done, p2 = existing_answers(out)
+        problems += p2
+        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0.5).take_all()
+        order = {s: i for i, s in enumerate(qshards)}
+        scans.sort(key=lambda sc: order[sc["shard"]])
+        methods = list(cfg.methods)
+        keep, rejected, counts = plan_questions(scans, done, committed, methods)
+        provenance = {"archive": cfg.archive, "model_fingerprint": info["fingerprint"],
+                      "notebank": json.dumps(run["fingerprint"].get("notebank"), sort_keys=True)}
+        stats = {"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": counts.get("already_answered", 0)}
+        per_method: dict[str, list] = defaultdict(list)
+        q_status: dict[str, bool] = {}
+        if rejected:
+            rows = write_rejected(out, rejected, methods, provenance)
+            for r in rows:
+                q_status[r["question_id"]] = False
+            stats["rows"] += len(rows)
+        bar = progress_bar(cfg.progress, counts.get("to_answer", 0), "q", "query")
+        if keep:
+            needed = {}
+            for sc in scans:
+                for row, qid, did, err in json.loads(sc["rows"]):
+                    if str(row) in keep.get(sc["shard"], {}) and did in committed:
+                        c = committed[did]
+                        needed[did] = {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")}
+            docs_ref = ray.put(needed)
+            nb = run["fingerprint"]["notebank"]
+            read = {k: v for k, v in _rc_fields(cfg.read).items() if k != "method"}
+            remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
+            ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
+                  .flat_map(_read_questions, num_cpus=0.5)
+                  .groupby("doc_id")
+                  .map_groups(QueryActor, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
+                              num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
+                              fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output,
+                                                         read=read, nb=nb, docs_ref=[docs_ref], provenance=provenance,
+                                                         torch_threads=cfg.actors.torch_threads
+                                                         or max(1, int(cfg.actors.num_cpus))),
+                              **remote))
+            last_beat = time.monotonic()
+            seen_q = set()
+            for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
+                for rec in batch.to_dict("records"):
+                    stats["rows"] += 1
+                    ok = rec["status"] == "ok"
+                    q_status[rec["question_id"]] = q_status.get(rec["question_id"], True) and ok
+                    if rec.get("score") is not None and rec["score"] == rec["score"]:
+                        per_method[rec["method"]].append(float(rec["score"]))
+                    if rec["question_id"] not in seen_q:
+                        seen_q.add(rec["question_id"])
+                        bar.update(1)
+                if time.monotonic() - last_beat > 30:
+                    lease.heartbeat()
+                    last_beat = time.monotonic()
+        bar.close()
+    stats["questions_ok"] = sum(q_status.values())
+    stats["questions_failed"] = sum(not v for v in q_status.values())
+    return {**stats, "wall_s": round(time.perf_counter() - t_start, 3), "output": cfg.output,
+            "metric": "nbcore.tasks.ruler.string_match_all" if per_method else None,
+            "mean_score": {m: round(sum(v) / len(v), 4) for m, v in sorted(per_method.items())},
+            "n_scored": {m: len(v) for m, v in sorted(per_method.items())}, "problems": problems[:20],
+            "failures": [{"question_id": r["question_id"], "error": r["error"]} for r in rejected[:20]]}
+
+
+def _rc_fields(rc) -> dict:
+    import dataclasses
+    d = dataclasses.asdict(rc)
+    d["stop"] = list(d.get("stop") or ())
+    return d
+
+
+def _scan_questions(item):
+    from pipeline.corpus import scan_question_shard
+    return scan_question_shard(item)
+
+
+def _read_questions(item):
+    from pipeline.corpus import read_question_rows
+    return read_question_rows(item)
