@@ -364,8 +364,8 @@ def parse_args(argv):
                                                  "random GDN for the throughput and RSS runs")
     p.add_argument("--hidden-small", type=int, default=64, help="tiny GDN hidden size (64 = TINY_MODEL)")
     p.add_argument("--hidden-large", type=int, default=256, help="second tiny GDN for the bytes-vs-state check")
-    p.add_argument("--tput-docs", type=int, default=48, help="documents per throughput run")
-    p.add_argument("--tput-group", type=int, default=4, help="docs_per_group in the throughput runs")
+    p.add_argument("--tput-docs", type=int, default=240, help="documents per throughput run")
+    p.add_argument("--tput-group", type=int, default=16, help="docs_per_group in the throughput runs")
     p.add_argument("--doc-chars", type=int, nargs=2, default=(1500, 3000), metavar=("LO", "HI"))
     p.add_argument("--repeats", type=int, default=2, help="alternated runs per (design, actors); median")
     p.add_argument("--bytes-docs", type=int, default=12, help="documents for the hidden-large bytes runs")
@@ -584,10 +584,10 @@ def markdown(r: dict, hs: str, hl: str) -> str:
     m = r["machine"]
     ns, nb = rss["n_docs"]
     fmt = lambda x: "—" if x is None else f"{x:.0f}"   # noqa: E731
-    g = gpu_calc(db["new"]["record_bytes_per_doc"][hs])
+    g = gpu_calc(db["new"][hs])
     lines = [
         f"# Ingest data plane: Ray Data pipeline vs the old pool.dispatch driver ({r['date'][:10]})", "",
-        f"Command: `{r['command']}` (niced)  ",
+        f"Command: `nice -n 10 .venv/bin/{r['command']}` (one run; recorded as `command` in the JSON)  ",
         f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB RAM; Ray {r['versions']['ray']}, "
         f"torch {r['versions']['torch']}. Raw numbers: `dataplane.json`.  ",
         f"Model: tiny random-init GDN (byte tokenizer, TINY_MODEL = {hs}; {hl} for the state-size check); "
@@ -612,9 +612,20 @@ def markdown(r: dict, hs: str, hl: str) -> str:
         f"Throughput corpus: {a['n_docs']} documents, {a['tokens']} tokens; the RSS runs use {nb} documents of "
         f"{r['setup']['rss_doc_chars'][0]}-{r['setup']['rss_doc_chars'][1]} bytes.",
     ]
+    tok = a["tokens"]
+    fixed = lambda d: tok / d["e2e_1"] - tok / d["1"] if d["e2e_1"] and d["1"] else None   # noqa: E731
+    fn, fb = fixed(a["new"]), fixed(base)
+    lines += ["", "Reading the throughput rows: steady = tokens of the groups (new, timed by their commit records' "
+              "mtimes) or documents (old) after each actor's first, over the time since; end to end includes "
+              "start-up. Fixed cost per job at 1 actor (end-to-end time minus tokens / steady rate): new "
+              f"{fn or 0:.0f} s (a model-probe task loads the model, then every actor loads it again, plus Ray Data "
+              f"planning and the scan), old {fb or 0:.0f} s. At 1 actor the old design uses both cores (the driver "
+              "writes one document's files while the actor computes the next); the new actor computes and writes "
+              "itself. With 2 actors the old driver's writes compete with both actors for the 2 cores."]
     if a.get("why_below_1_6"):
         w = a["why_below_1_6"]
-        lines += ["", f"2 vs 1 actors below 1.6: {w['explanation']}"]
+        who = "; ".join(t["cmd"].strip()[:60] for t in w.get("other_processes_top", [])[:3])
+        lines += ["", f"2 vs 1 actors below 1.6: {w['explanation']} Top other processes: {who}."]
     lines += [
         "", "## 64 GPUs, GDN-1.3B, 100K documents x 32K tokens (calculation, not measured)", "",
         "Per-GPU throughput: the H200 NB-TF end-to-end numbers in `overhead-gpu.md` (random-init GDN-1.3B, bf16, "
@@ -624,7 +635,7 @@ def markdown(r: dict, hs: str, hl: str) -> str:
         f"Bytes per document: state 48 MiB (App. C.7: 24 layers x 8 heads x 256 x 256 fp32) + "
         f"{_b(GDN13_CONV)} conv states (q/k/v, 4 taps, bf16) + notes {_b(g['notes_bytes'])} (Eq. 19, N = "
         f"{g['N']} notes at C=512, W=2, J=192, d_rho=16, U <= N*64) = {_b(g['per_doc_bytes'])}. "
-        f"New-design record: {db['new']['record_bytes_per_doc'][hs]:.0f} B per document (measured above, pickled; "
+        f"New design, driver: {db['new'][hs]:.0f} B per document (record + scan row, measured above, pickled; "
         "the GDN-1.3B record has the same fields).", "",
         "| assumed tok/s per GPU | docs/s (64 GPUs) | 100K docs | bytes/s to the store (both designs) | "
         "bytes/s through the driver, old | new |", "|---|---|---|---|---|---|"]

@@ -212,15 +212,19 @@ class Archive:
 
     def group_problems(self, rec: S.CommitRecord, sizes: dict[str, int], verify: bool = False) -> list[str]:
         """Why a committed group's files do not match its record ([] when they do)."""
-        out = []
-        for ref in rec.files():
+        return list(self.file_problems(rec.files(), sizes, verify).values())
+
+    def file_problems(self, refs, sizes: dict[str, int], verify: bool = False) -> dict[str, str]:
+        """{path: why} for the refs whose files do not match their recorded size (and sha256)."""
+        out = {}
+        for ref in refs:
             got = sizes.get(ref.path)
             if got is None:
-                out.append(f"{self.url_of(ref.path)}: missing")
+                out[ref.path] = f"{self.url_of(ref.path)}: missing"
             elif got != ref.size:
-                out.append(f"{self.url_of(ref.path)}: {got} bytes, recorded {ref.size} (truncated or overwritten)")
+                out[ref.path] = f"{self.url_of(ref.path)}: {got} bytes, recorded {ref.size} (truncated or overwritten)"
             elif verify and self._sha256_file(ref.path) != ref.sha256:
-                out.append(f"{self.url_of(ref.path)}: sha256 does not match the commit record")
+                out[ref.path] = f"{self.url_of(ref.path)}: sha256 does not match the commit record"
         return out
 
     def _sha256_file(self, rel: str) -> str:

@@ -98,16 +98,22 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
     A group whose files do not match its record is taken out of the committed set (redone)."""
     commits, problems = store.load_commits()
     sizes = store.file_sizes() if commits else {}
-    valid = {}
+    valid, damaged = {}, {}
     for g, rec in commits.items():
         bad = store.group_problems(rec, sizes, verify)
-        if bad:
-            if repair:
-                problems.append(f"group {g} is redone: " + "; ".join(bad[:3]))
-                store.invalidate(g)
-            else:
-                problems.append(f"group {g} is damaged, its documents are not answered: " + "; ".join(bad[:3]))
+        if bad and repair:
+            problems.append(f"group {g} is redone: " + "; ".join(bad[:3]))
+            store.invalidate(g)
             continue
+        if bad:
+            # read-only (query): only the documents whose own files are damaged are left out
+            shared = store.file_problems([r for r in (rec.notes, rec.documents_file) if r is not None], sizes, verify)
+            for e in rec.documents:
+                if e.status == "ok" and e.doc_id is not None:
+                    own = list(shared.values()) + list(store.file_problems(e.state, sizes, verify).values())
+                    if own:
+                        damaged[e.doc_id] = "; ".join(own[:3])
+            problems.append(f"group {g} is damaged: " + "; ".join(bad[:3]))
         valid[g] = rec
     docs: dict[str, dict] = {}
     for g, rec in valid.items():
@@ -119,6 +125,9 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
                 docs[e.doc_id] = {"group": g, "generation": e.generation, "key": e.key, "n_tokens": e.n_tokens,
                                   "state": [r.__dict__ for r in e.state], "shas": set(),
                                   "notes_files": [], "source": e.source}
+    for doc_id, why in damaged.items():
+        docs.setdefault(doc_id, {"shas": set(), "notes_files": []})["damaged"] = \
+            f"document {doc_id!r} cannot be read from the archive: {why}"
     for g, rec in valid.items():   # every generation's notes part and text hash
         for e in rec.documents:
             if e.status == "ok" and e.doc_id in docs:
@@ -358,9 +367,10 @@ def plan_questions(scans: list[dict], done: set, committed: dict, methods: list[
             if not missing:
                 counts["already_answered"] += 1
                 continue
-            if did not in committed:
-                rejected.append({"question_id": qid, "doc_id": did, "methods": missing,
-                                 "error": f"document {did!r} is not archived (or failed at ingest)", **src})
+            if did not in committed or "damaged" in committed[did]:
+                why = committed[did]["damaged"] if did in committed else \
+                    f"document {did!r} is not archived (or failed at ingest)"
+                rejected.append({"question_id": qid, "doc_id": did, "methods": missing, "error": why, **src})
                 continue
             keep.setdefault(shard, {})[str(row)] = missing
             counts["to_answer"] += 1

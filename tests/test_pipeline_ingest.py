@@ -277,3 +277,53 @@ def test_ingest_actor_without_ray_on_memory_fs(tmp_path):
     again.ingest_group("g0", docs)
     assert fs.cat_file("/ia/out/notes/g0.parquet") == fs.cat_file("/ia/out2/notes/g0.parquet")
     assert fs.cat_file("/ia/out/state/d0.g0.safetensors") == fs.cat_file("/ia/out2/state/d0.g0.safetensors")
+
+
+def test_mode_append_continues_documents_and_equals_one_shot(ray_session, tmp_path):
+    """mode: append adds text to archived documents from their stored state and chunk position; the
+    archive gains only the new notes, and equals a one-shot ingest of the parts (nbcore.append's rule)."""
+    import torch
+    from nbcore import NoteBankConfig, ingest
+    from pipeline.actors import load_archive
+    from pipeline.worker import build_backbone
+    docs = good_docs(3, chars=1400)
+    cut = [500, 777, 1029]                       # inside chunks, mid-sentence
+    first = [{"doc_id": d["doc_id"], "text": d["text"][:c]} for d, c in zip(docs, cut)]
+    second = [{"doc_id": d["doc_id"], "text": d["text"][c:]} for d, c in zip(docs, cut)]
+    write_jsonl(tmp_path / "a.jsonl", first)
+    write_jsonl(tmp_path / "b.jsonl", second)
+    out = tmp_path / "out"
+    assert run_ingest(cfg_for(tmp_path / "a.jsonl", out))["docs_ok"] == 3
+    notes_before = pds.dataset(str(out / "notes"), format="parquet").to_table()
+    s = run_ingest(cfg_for(tmp_path / "b.jsonl", out, mode="append"))
+    assert s["docs_ok"] == 3 and s["docs_failed"] == 0, s
+    again = run_ingest(cfg_for(tmp_path / "b.jsonl", out, mode="append"))   # idempotent rerun
+    assert again["docs_skipped"] == 3 and again["docs_ok"] == 0
+    write_jsonl(tmp_path / "c.jsonl", [{"doc_id": "d0", "text": "More text. For d0."}])
+    bad = run_ingest(cfg_for(tmp_path / "c.jsonl", out))                     # without mode: append: refused
+    assert bad["docs_failed"] == 1 and "mode: append" in bad["failures"][0]["error"]
+    notes = pds.dataset(str(out / "notes"), format="parquet").to_table()
+    assert notes.num_rows > notes_before.num_rows
+    old = notes.filter(pds.field("generation") == 0).sort_by([("doc_id", "ascending"), ("note_index", "ascending")])
+    assert old.equals(notes_before.sort_by([("doc_id", "ascending"), ("note_index", "ascending")]))
+    bb = build_backbone(TINY_MODEL)
+    nb = NoteBankConfig(**TINY_NB)
+    store = Archive(str(out))
+    from pipeline.dataplane import committed_documents
+    _, committed, _ = committed_documents(store, verify=True, repair=False)
+    for d, a, b in zip(docs, first, second):
+        ref = ingest(bb, None, nb, parts=[a["text"], b["text"]], block_size=512)
+        c = committed[d["doc_id"]]
+        assert c["generation"] == 1
+        got = load_archive(store, d["doc_id"], c["notes_files"], 1, nb, bb.fingerprint(), c["n_tokens"], bb.n_channels)
+        assert got.starts.tolist() == ref.archive.starts.tolist() and got.ends.tolist() == ref.archive.ends.tolist()
+        assert all((x == y).all() for x, y in zip(got.token_ids, ref.archive.token_ids))
+        diff = (got.addresses.float() - ref.archive.addresses.float()).abs().max().item() if len(got) else 0.0
+        assert diff <= 0.02, diff                 # bf16 addresses: within one bf16 step of the one-shot ones
+        st = store.read_state([__import__("schemas.archive", fromlist=["FileRef"]).FileRef(**r) for r in c["state"]])
+        ref_t = bb.state_to_tensors(ref.state)
+        for k, v in ref_t.items():
+            assert torch.allclose(st[k].float(), v.float(), atol=1e-5), k
+    t = docs_table(out).to_pylist()
+    latest = {r["doc_id"]: r for r in sorted(t, key=lambda r: r["generation"])}
+    assert all(r["generation"] == 1 and r["n_tokens"] == len(d["text"]) for d, r in zip(docs, (latest[d["doc_id"]] for d in docs)))
