@@ -21,6 +21,7 @@ rejected-row records (a benchmark writes into a fresh folder from a clean corpus
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 import time
 from typing import Callable
@@ -75,23 +76,25 @@ def run_baseline_ingest(cfg: IngestJobConfig, on_result: Callable[[dict], None] 
     `driver_received_bytes` (notes + state bytes the driver got back) and `driver_received_pickled`
     (pickled size of every result dict). on_result(info) gets {doc_id, notes_bytes, state_bytes,
     pickled_bytes, n_tokens} per document."""
+    # self-contained on purpose (the old pipeline.ingest helpers may go away): only pool, store, corpus,
+    # archive_io and the DocRecord schema, which the old driver used
     from pipeline.archive_io import run_fingerprint
     from pipeline.corpus import iter_corpus
-    from pipeline.ingest import Tally, open_output, sha256_text
     from pipeline.pool import dispatch, stop_workers, worker_failure
-    from pipeline.store import doc_key
+    from pipeline.store import ArchiveStore, doc_key
     from schemas.manifest import DocRecord
 
     cfg.validate()
     t_start = time.perf_counter()
-    store = open_output(cfg.output)
+    store = ArchiveStore(cfg.output)
+    store.clean_tmp()
     handles, infos = _start(cfg.model, cfg.actors)
     recv = {"payload": 0, "pickled": 0}
     try:
         i0 = infos[0]
         fp = run_fingerprint(i0["fingerprint"], i0["family"], i0["n_channels"], cfg.notebank, i0.get("tokenizer"))
         store.check_or_write_run(fp)
-        tally = Tally(dict(docs_ok=0, docs_skipped=0, docs_failed=0, tokens=0, notes=0, bytes=0), False)
+        tally = _Tally()
         nb = cfg.notebank.to_dict()
 
         def tasks():
@@ -102,7 +105,7 @@ def run_baseline_ingest(cfg: IngestJobConfig, on_result: Callable[[dict], None] 
                 if row.error or kerr:
                     tally.failed(row.doc_id, row.error or kerr, row.source)
                     continue
-                base["text_sha256"] = sha256_text(row.text)
+                base["text_sha256"] = hashlib.sha256(row.text.encode("utf-8")).hexdigest()
                 yield {"doc_id": row.doc_id, "text": row.text, "base": base}
 
         def submit(actor, t):
@@ -135,5 +138,21 @@ def run_baseline_ingest(cfg: IngestJobConfig, on_result: Callable[[dict], None] 
         dispatch(handles, tasks(), submit, on_done, max_in_flight=cfg.actors.max_in_flight)
     finally:
         stop_workers(handles)
-    return tally.summary(t_start, cfg.output, driver_received_bytes=recv["payload"],
-                         driver_received_pickled=recv["pickled"])
+    wall = time.perf_counter() - t_start
+    return {**tally.stats, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tally.stats["tokens"] / wall, 1) if wall > 0 else 0.0, "output": cfg.output,
+            "failures": tally.failures, "driver_received_bytes": recv["payload"],
+            "driver_received_pickled": recv["pickled"]}
+
+
+class _Tally:
+    """The old run's counters and first 20 failures (pipeline.ingest.Tally without the progress bar)."""
+
+    def __init__(self):
+        self.stats = dict(docs_ok=0, docs_skipped=0, docs_failed=0, tokens=0, notes=0, bytes=0)
+        self.failures: list[dict] = []
+
+    def failed(self, doc_id, error: str, source) -> None:
+        self.stats["docs_failed"] += 1
+        if len(self.failures) < 20:
+            self.failures.append({"doc_id": doc_id, "error": error, "source": source})

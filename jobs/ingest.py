@@ -1,12 +1,14 @@
-"""Ingest a corpus into NoteBank archives (notes Parquet + state safetensors + manifest).
+"""Ingest a corpus into NoteBank archives (notes dataset + documents table + states + commit records).
 
     python jobs/ingest.py -c configs/ingest.yaml --set corpus=data/corpus --set output=out/archive
     ray job submit --working-dir . -- python jobs/ingest.py -c configs/ingest.yaml ...
 
 Prints a progress bar (stderr) and, last, a one-line JSON summary:
 {"docs_ok", "docs_skipped", "docs_failed", "tokens", "notes", "bytes", "wall_s", "tokens_per_s", "output"}.
-Exit status: 0 when the job ran (failed documents are in the summary and manifest), 2 on a config
-error or a refused output folder (different model/config), 1 on other errors.
+Exit status: 0 when every document is archived (or already was), 1 when some documents or shards
+failed (they are in the summary, the commit records and manifest/shards/), 2 on a config error, a
+missing corpus, or a refused output folder (another writer holds it, a symlink leaves it, another
+model/config wrote it, an older archive layout).
 """
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ def run(cfg) -> dict:
 
 def main(argv=None) -> int:
     from pipeline.config import IngestJobConfig
-    from pipeline.store import FingerprintMismatch
-    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=(FingerprintMismatch,))
+    from pipeline.archive import FingerprintMismatch, LayoutError
+    from pipeline.safety import OutputBusy, UnsafePath
+    from pipeline.config import ConfigError
+    USER_ERRORS = (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
+    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS)
 
 
 if __name__ == "__main__":

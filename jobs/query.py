@@ -1,11 +1,15 @@
 """Answer questions against NoteBank archives (batch QA), one row per question and method.
 
     python jobs/query.py -c configs/query.yaml --set questions=data/questions.jsonl \
-        --set archive=out/archive --set output=out/answers.parquet
+        --set archive=out/archive --set output=out/answers
     ray job submit --working-dir . -- python jobs/query.py -c configs/query.yaml ...
 
 Last stdout line: {"questions_ok", "questions_failed", "rows", "wall_s", "output", "metric", "mean_score"}.
-Exit status: 0 when the job ran, 2 on a config error or a model/archive fingerprint mismatch.
+The output is a folder of answers parts (one Parquet dataset), written while the job runs; a rerun
+answers only the missing (question_id, method) pairs.
+Exit status: 0 when every question was answered, 1 when some failed (rows with status "failed"), 2 on
+a config error, missing input, a model/archive fingerprint mismatch, or a refused output (inside the
+archive, held by another run, escaping through a symlink).
 """
 from __future__ import annotations
 
@@ -24,8 +28,11 @@ def run(cfg) -> dict:
 
 def main(argv=None) -> int:
     from pipeline.config import QueryJobConfig
-    from pipeline.store import FingerprintMismatch
-    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=(FingerprintMismatch, FileNotFoundError))
+    from pipeline.archive import FingerprintMismatch, LayoutError
+    from pipeline.safety import OutputBusy, UnsafePath
+    from pipeline.config import ConfigError
+    USER_ERRORS = (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
+    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """End-to-end demo on embedded defaults: generated needle corpus -> ingest -> batch QA.
 
-    python jobs/run_demo.py                        # local Ray, tiny random-init GDN, ~30 s on 2 CPUs
+    python jobs/run_demo.py                        # local Ray, the shipped tiny GDN, a RULER corpus, ~1 min on 2 CPUs
     python jobs/run_demo.py -c configs/demo.yaml --set n_docs=8
     ray job submit --working-dir . -- python jobs/run_demo.py
 
-Writes corpus.jsonl, questions.jsonl, archive/ and answers.parquet under `workdir` (default: a new
-temporary folder) and prints one JSON line: {"workdir", "ingest": {...}, "query": {...}}.
-The default model is random-init, so its answers are noise: the demo shows the plumbing, not accuracy
-(point model.path at a trained checkpoint for that).
+Writes corpus.jsonl, questions.jsonl, archive/ (layout v2) and answers/ (a Parquet dataset) under
+`workdir` (default: a new temporary folder) and prints one JSON line: {"workdir", "ingest": {...},
+"query": {...}}. The default model is the shipped tiny GDN (models/tiny-gdn), which reads RULER's
+needle templates at these lengths; `--set task=null --set model.path=...` runs other models.
 """
 from __future__ import annotations
 

@@ -278,7 +278,8 @@ class NoteBankBackend:
                 tensors[name] = v.detach().cpu().contiguous().clone()
         arch = memory.archive
         tok = self.bb.tokenizer
-        bits = arch.addresses.detach().cpu().contiguous().view(torch.uint16).numpy().reshape(len(arch), -1)
+        bits = arch.addresses.detach().cpu().contiguous().view(torch.uint16).numpy()
+        bits = bits.reshape(len(arch), int(np.prod(bits.shape[1:])))     # (also for an empty archive)
         notes = []
         for i in range(len(arch)):
             ids = [int(t) for t in arch.token_ids[i]]
@@ -351,8 +352,9 @@ class MoneBackend:
     """MoNe (nbcore.mone.state ingest/append/finalized + MoNeModel.generate) on one loaded model.
 
     ``MoneBackend.load(base_dir, adapters=None, tokenizer=None)`` loads the frozen base and its
-    meta-trained parameters (``<base_dir>/mone`` by default) with the files' fingerprint, as the
-    pipeline's MoneWorker does; the constructor takes a model already in memory."""
+    meta-trained parameters (``<base_dir>/mone`` by default) with the files' fingerprint (what the
+    pipeline's actors do, pipeline/actors.py:build_memory); the constructor takes a model already in
+    memory."""
 
     name = "mone"
     methods = ("mone",)
@@ -425,7 +427,7 @@ class MoneBackend:
 
     def read_fields(self, read: dict) -> dict:
         gen = self._gen(read)
-        # same JSON as pipeline.mone_pipeline.gen_json
+        # the JSON the old pipeline/mone_pipeline.py wrote (answers stay comparable)
         return {"method": "mone", "read_config": json.dumps(
             {"method": "mone", **{k: (list(v) if isinstance(v, tuple) else v) for k, v in gen.items()}},
             sort_keys=True)}

@@ -1,13 +1,19 @@
-"""Callable classes for Ray Data's `map_batches` / `map_groups`: one frozen backbone per actor.
+"""Callable classes for Ray Data's `map_batches` / `map_groups`: one loaded memory backend per actor.
+
+Both actors hold one ``nbcore.memory.MemoryBackend`` (``get_backend(memory, ...)``: NoteBank on the
+frozen backbone, or MoNe: the frozen base + its meta-trained parameters) and only call its generic
+interface (ingest / append / to_files / from_files / answer / read_fields). What a backend persists
+is ``MemoryFiles``: the state tensors (one safetensors state, maybe in pieces) and, for NoteBank,
+its notes (MoNe has none: its groups write no notes part).
 
 IngestActor: one batch = one group of corpus rows. For each document it ingests (or appends to) the
 memory, writes the state straight to the store, and at the end of the group writes the notes part,
 the documents part and the commit record (pipeline/archive.py). It returns one small record per
 row: ids, counts, status; never notes or states.
 
-QueryActor: one batch = all questions of one document. It loads the document's state and notes once
-from the store, answers every question with every method still missing, writes the answers part
-itself (temporary name + rename) and returns small records.
+QueryActor: one batch = all questions of one document. It loads the document's memory once from
+the store, answers every question with every method still missing, writes the answers part itself
+(temporary name + rename) and returns small records.
 
 Both are plain classes: usable and testable without Ray.
 """
@@ -22,8 +28,9 @@ import traceback
 import numpy as np
 import torch
 
-from nbcore.config import NoteBankConfig, ReadConfig
-from pipeline.archive import Archive, ArchiveError, FingerprintMismatch, bf16_bits
+from nbcore.config import NoteBankConfig
+from nbcore.memory import MemoryFiles
+from pipeline.archive import Archive, ArchiveError, FingerprintMismatch
 from schemas import archive as S
 from schemas._base import SchemaError
 
@@ -39,38 +46,90 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _decode(tok, ids) -> str | None:
-    if tok is None:
-        return None
-    return tok.decode([int(t) for t in ids], skip_special_tokens=False)
+def build_memory(model: dict, memory: str = "notebank", nb: dict | None = None, block_size: int = 8192,
+                 mone_adapters: str | None = None, torch_threads: int = 1):
+    """-> (MemoryBackend, tokenizer fingerprint). NoteBank: the backbone of the ModelSpec dict
+    (pipeline.worker.build_backbone); MoNe: ``MoneBackend.load(model.path, mone_adapters, tokenizer)``
+    (the tokenizer of model.tokenizer, else the checkpoint's own)."""
+    from nbcore.memory import get_backend
+    from pipeline.worker import build_backbone, build_tokenizer, tokenizer_fingerprint
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
+    if memory == "mone":
+        tok = build_tokenizer(model["tokenizer"]) if model.get("tokenizer") else None
+        backend = get_backend("mone", base_dir=model["path"], adapters=mone_adapters, tokenizer=tok)
+    elif memory == "notebank":
+        backend = get_backend("notebank", bb=build_backbone(model), nb_cfg=NoteBankConfig(**(nb or {})),
+                              block_size=block_size)
+    else:
+        raise ValueError(f"unknown memory {memory!r}")
+    return backend, tokenizer_fingerprint(backend.tokenizer)
 
 
-class _Backbone:
-    """Loads the model once (pipeline.worker.NoteBankWorker does the loading and fingerprints)."""
+def memory_info(backend, tokenizer_fp) -> dict:
+    """What the driver's probe reports: fingerprint, tokenizer hash, memory and the write config."""
+    d = backend.describe()
+    info = {"pid": os.getpid(), "fingerprint": backend.fingerprint(), "tokenizer": tokenizer_fp,
+            "memory": backend.name, "has_tokenizer": backend.tokenizer is not None}
+    for k in ("family", "n_channels", "mone", "n_layers"):
+        if k in d:
+            info[k] = d[k]
+    return info
 
-    def __init__(self, model: dict, torch_threads: int):
-        from pipeline.worker import NoteBankWorker
-        self.worker = NoteBankWorker(model, torch_threads)
-        self.bb = self.worker.bb
-        self.fp = self.worker.fp
+
+class _Memory:
+    """Loads the memory backend once per actor."""
+
+    def __init__(self, model: dict, memory: str, nb: dict | None, block_size: int, mone_adapters: str | None,
+                 torch_threads: int):
+        self.backend, self.tokenizer_fp = build_memory(model, memory, nb, block_size, mone_adapters, torch_threads)
+        self.fp = self.backend.fingerprint()
+        d = self.backend.describe()
+        # the write config as the documents table records it (NoteBank: its config; MoNe: none)
+        self.notebank_json = json.dumps(d["notebank"], sort_keys=True) if d.get("notebank") is not None else None
+
+    def load_files(self, store: Archive, doc_id: str, state: list, notes_files: list[str], generation: int,
+                   n_tokens: int) -> MemoryFiles:
+        """A committed document's MemoryFiles: its state (pieces merged) and its live notes."""
+        tensors = store.read_state([S.FileRef(**r) for r in state], expect_model=self.fp)
+        notes = note_dicts(store.read_notes(doc_id, notes_files, generation)) if notes_files else []
+        facts = {"backend": self.backend.name, "doc_id": doc_id, "model": self.fp, "n_tokens": int(n_tokens)}
+        return MemoryFiles(tensors, notes, facts)
+
+    def load_memory(self, store: Archive, doc_id: str, info: dict):
+        files = self.load_files(store, doc_id, info["state"], info["notes_files"], info["generation"],
+                                info["n_tokens"])
+        try:
+            return self.backend.from_files(files)
+        except ValueError as e:
+            raise ArchiveError(f"{store.url}: memory of {doc_id!r} cannot be loaded: {e}") from e
 
 
-class IngestActor(_Backbone):
+def note_dicts(t) -> list[dict]:
+    """Rows of a notes table as MemoryFiles.notes dicts (addresses: uint16 bits, slot-major)."""
+    if t is None or t.num_rows == 0:
+        return []
+    bits = S.address_bits(t).reshape(t.num_rows, -1)
+    toks = S.token_id_lists(t)
+    cols = {c: t.column(c).to_pylist() for c in ("note_index", "chunk_index", "start", "end", "text")}
+    return [{"note_index": cols["note_index"][i], "chunk_index": cols["chunk_index"][i], "start": cols["start"][i],
+             "end": cols["end"][i], "token_ids": toks[i], "text": cols["text"][i], "addresses": bits[i]}
+            for i in range(t.num_rows)]
+
+
+class IngestActor(_Memory):
     def __init__(self, model: dict, nb: dict, block_size: int, output: str, fp_digest: str,
                  tokenizer_name: str | None, torch_threads: int = 1, piece_bytes: int = 1 << 30,
-                 expect_fingerprint: str | None = None):
-        super().__init__(model, torch_threads)
+                 expect_fingerprint: str | None = None, memory: str = "notebank", mone_adapters: str | None = None):
+        super().__init__(model, memory, nb, block_size, mone_adapters, torch_threads)
         if expect_fingerprint is not None and self.fp != expect_fingerprint:
             raise FingerprintMismatch(f"this actor loaded model {self.fp}, the run expects {expect_fingerprint}: is "
                                       f"the checkpoint identical on every node?")
-        self.nb = NoteBankConfig(**nb)
-        self.nb_json = json.dumps(self.nb.to_dict(), sort_keys=True)
-        self.block_size = block_size
+        self.nb = NoteBankConfig(**(nb or {}))
         self.store = Archive(output)
         self.fp_digest = fp_digest
         self.tokenizer_name = tokenizer_name
         self.piece_bytes = piece_bytes
-        self.n_slots = self.bb.n_channels * self.nb.addr_positions
 
     def __call__(self, batch: dict) -> dict:
         out = {c: [] for c in RECORD_COLUMNS}
@@ -85,6 +144,7 @@ class IngestActor(_Backbone):
         t0 = time.perf_counter()
         entries, note_rows, doc_rows, records = [], [], [], []
         notes_rel = self.store.rel_notes(group)
+        addr_dim = self.nb.addr_dim
         for d in sorted(docs, key=lambda d: d["row"]):
             src = {"shard": d["shard"], "row": d["row"]}
             entry = S.DocEntry(doc_id=d.get("doc_id"), key=d.get("key"), status="failed", source=src,
@@ -94,7 +154,8 @@ class IngestActor(_Backbone):
                    "generation": entry.generation, "pid": os.getpid()}
             if d["action"] in ("ingest", "append"):
                 try:
-                    n_tok, n_new, n_live, n_arch, refs = self._ingest_one(d, entry, note_rows)
+                    n_tok, n_new, n_live, n_arch, refs, dim = self._ingest_one(d, entry, note_rows)
+                    addr_dim = dim or addr_dim
                     entry.status, entry.n_tokens, entry.n_notes, entry.state = "ok", n_tok, n_new, refs
                     entry.text_sha256 = sha256_text(d["text"])
                     rec.update(status="ok", n_tokens=n_tok, n_notes=n_new, bytes=sum(r.size for r in refs))
@@ -110,61 +171,46 @@ class IngestActor(_Backbone):
                 doc_rows.append(self._doc_row(d, entry, 0, 0, None, []))
             entries.append(entry)
             records.append(rec)
-        commit = self.store.write_group(group, entries, note_rows, doc_rows, n_slots=self.n_slots,
-                                        addr_dim=self.nb.addr_dim, fp_digest=self.fp_digest,
-                                        timings={"group_s": time.perf_counter() - t0})
+        # the notes part's shape comes from the notes themselves (slots x addr_dim values per note)
+        n_slots = len(note_rows[0]["addresses"]) // addr_dim if note_rows else 0
+        commit = self.store.write_group(group, entries, note_rows, doc_rows, n_slots=n_slots, addr_dim=addr_dim,
+                                        fp_digest=self.fp_digest, timings={"group_s": time.perf_counter() - t0})
         extra = (commit.notes.size if commit.notes else 0) + commit.documents_file.size
         if records:
             records[0]["bytes"] += extra          # the group's shared files, counted once
         return records
 
     def _ingest_one(self, d: dict, entry: S.DocEntry, note_rows: list):
-        from nbcore import ingest
-        text, key, gen = d["text"], d["key"], int(d.get("generation", 0))
+        gen = int(d.get("generation", 0))
         if d["action"] == "append":
-            state, archive, carry = self._load_for_append(d)
-            from nbcore import append
-            res = append(self.bb, state, archive, carry, text, self.nb, block_size=self.block_size)
-            first_new = len(archive)
+            prev = d["previous"]   # {"state": [FileRef dicts], "notes_files": [...], "generation": g, "n_tokens"}
+            files = self.load_files(self.store, d["doc_id"], prev["state"], prev["notes_files"],
+                                    int(prev["generation"]), int(prev["n_tokens"]))
+            first_new = len(files.notes or ())
+            mem = self.backend.append(self.backend.from_files(files), d["text"])
+            del files
         else:
-            res = ingest(self.bb, text, self.nb, block_size=self.block_size)
+            mem = self.backend.ingest(entry.doc_id, d["text"])
             first_new = 0
-        a = res.archive
-        if len(a):
-            bits = bf16_bits(a.addresses)
-        for i in range(first_new, len(a)):
-            note_rows.append({"doc_id": entry.doc_id, "generation": gen, "note_index": i,
-                              "chunk_index": int(a.chunk_index[i]), "start": int(a.starts[i]),
-                              "end": int(a.ends[i]), "token_ids": a.token_ids[i],
-                              "text": _decode(self.bb.tokenizer, a.token_ids[i]), "addresses": bits[i]})
-        tensors = dict(self.bb.state_to_tensors(res.state))
-        carry = getattr(res, "carry", None)
-        if carry is not None:
-            tensors.update(carry.to_tensors())
-        refs = self.store.write_state(key, gen, tensors, doc_id=entry.doc_id, model_fingerprint=self.fp,
+        out = self.backend.to_files(mem)
+        del mem
+        notes = out.notes or []
+        for n in notes[first_new:]:
+            note_rows.append({"doc_id": entry.doc_id, "generation": gen, **n})
+        facts = out.facts
+        refs = self.store.write_state(entry.key, gen, out.tensors, doc_id=entry.doc_id, model_fingerprint=self.fp,
                                       piece_bytes=self.piece_bytes)
-        return int(res.n_tokens), len(a) - first_new, len(a), int(a.n_archived_tokens), refs
-
-    def _load_for_append(self, d: dict):
-        from nbcore.notebank.write import WriterCarry
-        prev = d["previous"]   # {"state": [FileRef dicts], "notes_files": [...], "generation": g}
-        tensors = self.store.read_state([S.FileRef(**r) for r in prev["state"]], expect_model=self.fp)
-        carry_t = {k: v for k, v in tensors.items() if k.startswith("carry.")}
-        if not carry_t:
-            raise ArchiveError(f"document {d['doc_id']!r}: its stored state has no writer carry (archived before "
-                               f"appends were supported): re-ingest it")
-        state = self.bb.state_from_tensors({k: v for k, v in tensors.items() if not k.startswith("carry.")})
-        archive = load_archive(self.store, d["doc_id"], prev["notes_files"], prev["generation"], self.nb,
-                               self.fp, int(prev["n_tokens"]), self.bb.n_channels)
-        return state, archive, WriterCarry.from_tensors(carry_t)
+        dim = (facts.get("notebank") or {}).get("addr_dim") if notes else None
+        return (int(facts["n_tokens"]), len(notes) - first_new, len(notes), int(facts.get("n_archived_tokens", 0)),
+                refs, dim)
 
     def _doc_row(self, d, entry: S.DocEntry, n_live: int, n_arch: int, notes_rel, refs) -> dict:
         return {"doc_id": entry.doc_id, "key": entry.key, "generation": entry.generation, "status": entry.status,
-                "error": entry.error, "memory": "notebank", "n_tokens": entry.n_tokens, "n_notes": n_live,
+                "error": entry.error, "memory": self.backend.name, "n_tokens": entry.n_tokens, "n_notes": n_live,
                 "n_archived_tokens": n_arch, "text_sha256": entry.text_sha256, "source_shard": d["shard"],
                 "source_row": d["row"], "metadata": json.dumps(d.get("metadata") or {}, sort_keys=True),
                 "model_fingerprint": self.fp, "tokenizer": self.tokenizer_name,
-                "tokenizer_hash": self.worker.tokenizer_fp, "notebank": self.nb_json, "group": d.get("group_id"),
+                "tokenizer_hash": self.tokenizer_fp, "notebank": self.notebank_json, "group": d.get("group_id"),
                 "notes_file": notes_rel if entry.n_notes else None, "state_files": [r.path for r in refs],
                 "state_bytes": sum(r.size for r in refs)}
 
@@ -187,15 +233,15 @@ def load_archive(store: Archive, doc_id: str, notes_files: list[str], generation
                        model_fingerprint=fp, n_tokens=n_tokens)
 
 
-class QueryActor(_Backbone):
-    def __init__(self, model: dict, archive: str, output: str, read: dict, nb: dict, docs_ref,
-                 provenance: dict, torch_threads: int = 1):
-        super().__init__(model, torch_threads)
+class QueryActor(_Memory):
+    def __init__(self, model: dict, archive: str, output: str, read: dict, nb: dict | None, docs_ref,
+                 provenance: dict, torch_threads: int = 1, memory: str = "notebank",
+                 mone_adapters: str | None = None):
+        super().__init__(model, memory, nb, 8192, mone_adapters, torch_threads)
         import ray
         self.store = Archive(archive)
         self.out = Archive(output)
-        self.read = read                              # shared ReadConfig fields; method set per row
-        self.nb = NoteBankConfig(**nb)
+        self.read = read                              # shared read settings; method set per row
         if isinstance(docs_ref, list):              # [ObjectRef]: wrapped so Ray does not resolve it per call
             docs_ref = docs_ref[0]
         self.docs = ray.get(docs_ref) if isinstance(docs_ref, ray.ObjectRef) else docs_ref
@@ -207,18 +253,15 @@ class QueryActor(_Backbone):
 
     @torch.no_grad()
     def answer_document(self, questions: list[dict]) -> dict:
-        from pipeline.query import answer_rows_table, rc_json
+        from pipeline.query import answer_rows_table
         doc_id = questions[0]["doc_id"]
         info = self.docs.get(doc_id)
         t0 = time.perf_counter()
+        mem = None
         try:
             if info is None:
                 raise ArchiveError(f"document {doc_id!r} is not archived in {self.store.url}")
-            tensors = self.store.read_state([S.FileRef(**r) for r in info["state"]], expect_model=self.fp)
-            state = self.bb.state_from_tensors({k: v for k, v in tensors.items() if not k.startswith("carry.")})
-            del tensors
-            archive = load_archive(self.store, doc_id, info["notes_files"], info["generation"], self.nb, self.fp,
-                                   info["n_tokens"], self.bb.n_channels)
+            mem = self.load_memory(self.store, doc_id, info)
             err = None
         except (ArchiveError, FingerprintMismatch, SchemaError, ValueError, RuntimeError) as e:
             err = _err(e)
@@ -226,14 +269,20 @@ class QueryActor(_Backbone):
         out_rows = []
         for q in sorted(questions, key=lambda q: q["question_id"]):
             for m in json.loads(q["methods"]):
-                rc = ReadConfig(**{**self.read, "method": m})
-                base = {"question_id": q["question_id"], "doc_id": doc_id, "method": m, "read_config": rc_json(rc),
+                read = {**self.read, "method": m}
+                try:
+                    fields = self.backend.read_fields(read)
+                except ValueError as e:
+                    fields, err_q = {"method": m, "read_config": "{}"}, _err(e)
+                else:
+                    err_q = err
+                base = {"question_id": q["question_id"], "doc_id": doc_id, **fields,
                         "answers": json.loads(q["answers"]), "source_shard": q["source_shard"],
                         "source_row": int(q["source_row"]), "load_s": load_s, **self.provenance}
-                if err is not None:
-                    out_rows.append({**base, "status": "failed", "error": err})
+                if err_q is not None:
+                    out_rows.append({**base, "status": "failed", "error": err_q})
                     continue
-                out_rows.append({**base, **self._answer(state, archive, q, rc)})
+                out_rows.append({**base, **self._answer(mem, q, read)})
         key = hashlib.sha1(json.dumps(sorted((r["question_id"], r["method"]) for r in out_rows)).encode()).hexdigest()[:16]
         from pipeline.store import doc_key
         dk = doc_key(doc_id)[0] or hashlib.sha1(doc_id.encode()).hexdigest()[:16]
@@ -244,22 +293,17 @@ class QueryActor(_Backbone):
                 "status": [r["status"] for r in out_rows], "error": [r.get("error") for r in out_rows],
                 "score": [r.get("score") for r in out_rows]}
 
-    def _answer(self, state, archive, q: dict, rc: ReadConfig) -> dict:
-        from nbcore import answer
+    def _answer(self, mem, q: dict, read: dict) -> dict:
         from pipeline.query import score_fn
         t0 = time.perf_counter()
+        refs = json.loads(q["answers"])
         try:
-            a = answer(self.bb, state, archive, q["question"], rc, answers=json.loads(q["answers"]))
+            row = self.backend.answer(mem, q["question"], read, answers=refs)
         except Exception as e:  # one bad question must not sink the document
             return {"status": "failed", "error": _err(e), "trace": traceback.format_exc(limit=3)}
-        refs = json.loads(q["answers"])
         fn, _ = score_fn()
-        return {"status": "ok", "error": None, "answer": a.text, "token_ids": [int(t) for t in a.token_ids],
-                "retrieved": [int(i) for i in a.retrieved], "votes": [float(v) for v in a.votes],
-                "replay_len": int(a.replay_len), "probe_s": float(a.timings.get("probe_s", 0.0)),
-                "route_s": float(a.timings.get("route_s", 0.0)),
-                "replay_generate_s": float(a.timings.get("replay_generate_s", 0.0)),
-                "total_s": time.perf_counter() - t0, "score": float(fn(a.text, refs)) if refs else None}
+        return {"status": "ok", "error": None, **row, "total_s": time.perf_counter() - t0,
+                "score": float(fn(row["answer"], refs)) if refs else None}
 
 
 def _rows_of(batch: dict) -> list[dict]:

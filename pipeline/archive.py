@@ -167,16 +167,18 @@ class Archive:
             return None
         return parse_run_record(self.fs.cat_file(self.path(REL_RUN)), self.url_of(REL_RUN))
 
-    def check_or_write_run(self, fingerprint: dict) -> None:
+    def check_or_write_run(self, fingerprint: dict, defaults: dict | None = None) -> None:
+        """Write the run fingerprint, or check it against the one there. `defaults`: values of keys
+        that fingerprints written by earlier versions lack (e.g. ``memory: notebank``)."""
         run = self.read_run()
         if run is None:
             self.atomic_write(REL_RUN, run_record(fingerprint, utc_now()))
             return
-        diff = fingerprint_diff(run["fingerprint"], fingerprint)
+        diff = fingerprint_diff({**(defaults or {}), **run["fingerprint"]}, fingerprint)
         if diff:
             raise FingerprintMismatch(
                 f"refusing to write into {self.url}: it holds archives made with a different model or "
-                f"NoteBank config ({self.url_of(REL_RUN)}). Differences: " + "; ".join(diff[:8])
+                f"memory config ({self.url_of(REL_RUN)}). Differences: " + "; ".join(diff[:8])
                 + ". Use a new output folder, or the original model/config.")
 
     # ---- reading commits ----------------------------------------------------------------------------

@@ -57,4 +57,7 @@ def run_job(cls, description: str, run, argv=None, errors: tuple = ()) -> int:
     for f in summary.pop("failures", []) if isinstance(summary, dict) else []:
         print(f"failed: {f}", file=sys.stderr)
     emit(summary)
+    if isinstance(summary, dict) and (summary.get("docs_failed") or summary.get("questions_failed")
+                                      or summary.get("shards_failed")):
+        return 1          # the job ran, but some inputs failed (listed above and in the outputs)
     return 0

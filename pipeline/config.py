@@ -114,10 +114,9 @@ class IngestJobConfig:
     progress: bool = True
     memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state, issue 7)
     mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
-    append: bool = False                   # mone: a row whose doc_id is archived with other text continues
-                                           # its fast-weight state (incremental ingest)
-    mode: str = "ingest"                   # ingest | append (notebank: rows carry an archived doc_id and the
-                                           # text to add; the document continues from its stored state)
+    append: bool = False                   # mone: the old name of mode: append (sets it)
+    mode: str = "ingest"                   # ingest | append (rows carry an archived doc_id and the text to
+                                           # add; the document continues from its stored state, both memories)
     docs_per_group: int = 64               # corpus rows per group: one notes part + one commit per group
     verify: bool = False                   # rerun: also check committed files' sha256 (not only sizes)
     state_piece_mib: int = 1024            # states above this are written in pieces of about this size
@@ -134,6 +133,8 @@ class IngestJobConfig:
             raise ConfigError(f"mode must be ingest or append, got {self.mode!r}")
         if self.memory == "mone" and self.mode == "append":
             self.append = True
+        if self.memory == "mone" and self.append:
+            self.mode = "append"               # MoNe's old switch: the same plan as NoteBank's mode: append
         if self.append and self.memory != "mone":
             raise ConfigError("append: true is the MoNe switch; for NoteBank archives use mode: append")
         if self.docs_per_group < 1:

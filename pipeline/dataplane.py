@@ -21,6 +21,7 @@ from pipeline.archive_io import run_fingerprint
 from pipeline.config import ConfigError
 from pipeline.corpus import list_shards, shard_slug
 from pipeline.store import doc_key
+from schemas import archive as S
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +66,21 @@ def quiet_ray_data(progress: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def probe_model(model: dict, actors) -> dict:
-    """Load the model once in a Ray task with the actors' resources -> fingerprint, family, channels.
-    A bad checkpoint fails here, once, with one clear error (not one per actor restart)."""
+def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: str | None = None,
+                nb: dict | None = None) -> dict:
+    """Load the memory backend once in a Ray task with the actors' resources -> fingerprint (the
+    backend's: NoteBank's backbone, MoNe's files digest), tokenizer hash, memory and its write facts
+    (family/channels, or the MoNe config). A bad checkpoint fails here, once, with one clear error
+    (not one per actor restart)."""
     import ray
 
     def _probe(model):
-        from pipeline.worker import NoteBankWorker
+        from pipeline.actors import build_memory, memory_info
         try:
-            w = NoteBankWorker(model, 1)
+            backend, tok_fp = build_memory(model, memory, nb, mone_adapters=mone_adapters, torch_threads=1)
         except Exception as e:   # noqa: BLE001 - reported to the user as one line
             return {"error": f"{type(e).__name__}: {e}"}
-        info = w.info()
+        info = memory_info(backend, tok_fp)
         info["tokenizer_name"] = model.get("tokenizer") or model.get("path")
         return info
 
@@ -85,9 +89,51 @@ def probe_model(model: dict, actors) -> dict:
         opts["accelerator_type"] = actors.accelerator_type
     info = ray.get(ray.remote(_probe).options(**opts).remote(model))
     if "error" in info:
-        raise ConfigError(f"model could not be loaded ({model.get('path') or model.get('hf_config', {}).get('model_type')}): "
+        raise ConfigError(f"{memory} model could not be loaded ({model.get('path') or model.get('hf_config', {}).get('model_type')}): "
                           f"{info['error']}")
     return info
+
+
+def memory_run_fingerprint(cfg, info: dict) -> dict:
+    """manifest/_run.json's fingerprint: what every state of the output is a pure function of (besides
+    the texts), the memory's name included (a query with the other memory is refused)."""
+    if cfg.memory == "mone":
+        fp = {"memory": "mone", "model": info["fingerprint"], "tokenizer": info.get("tokenizer"),
+              "mone": info["mone"], "schema_versions": {"state": 2, "documents": S.DOCUMENTS_VERSION}}
+    else:
+        fp = run_fingerprint(info["fingerprint"], info["family"], info["n_channels"], cfg.notebank,
+                             info.get("tokenizer"))
+        fp["memory"] = "notebank"
+    fp["layout"] = 2
+    return fp
+
+
+def held_memory(run: dict) -> str:
+    """The memory an archive holds (archives written before the fingerprint named it: notebank)."""
+    return run["fingerprint"].get("memory", "notebank")
+
+
+def _check_memory(store: Archive, run: dict | None, memory: str, job: str) -> None:
+    if run is None:
+        return
+    held = held_memory(run)
+    if held != memory:
+        what = "NoteBank archives" if held == "notebank" else f"{held} memory states"
+        raise FingerprintMismatch(f"{store.url} holds {what} ({store.url_of('manifest/_run.json')}), not "
+                                  f"{memory}: set memory: {held}" + (", or use a new output folder" if job == "ingest"
+                                                                     else ""))
+
+
+def _portable_model(model: dict, memory: str, adapters: str | None) -> tuple[dict, str | None]:
+    """MoNe: local checkpoint and adapter paths made absolute (actors may run in another directory)."""
+    if memory != "mone":
+        return model, adapters
+    model = dict(model)
+    if model.get("path") and "://" not in model["path"] and os.path.exists(model["path"]):
+        model["path"] = os.path.abspath(model["path"])
+    if adapters and "://" not in adapters and os.path.exists(adapters):
+        adapters = os.path.abspath(adapters)
+    return model, adapters
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,11 +264,13 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
     with acquire_lease(cfg.output, _run_info("ingest")) as lease:
         quiet_ray_data(cfg.progress)
         store.clean_tmp()
-        model = _model_dict(cfg.model)
-        info = probe_model(model, cfg.actors)
-        fp = run_fingerprint(info["fingerprint"], info["family"], info["n_channels"], cfg.notebank, info.get("tokenizer"))
-        fp["layout"] = 2
-        store.check_or_write_run(fp)
+        spec = _model_dict(cfg.model)
+        model, adapters = _portable_model(spec, cfg.memory, cfg.mone_adapters)
+        _check_memory(store, store.read_run(), cfg.memory, "ingest")
+        info = probe_model(model, cfg.actors, cfg.memory, adapters, cfg.notebank.to_dict())
+        info["tokenizer_name"] = spec.get("tokenizer") or spec.get("path")     # as configured
+        fp = memory_run_fingerprint(cfg, info)
+        store.check_or_write_run(fp, defaults={"memory": "notebank"})
         valid, committed, problems = committed_documents(store, cfg.verify)
         for p in problems:
             log.warning("%s", p)
@@ -261,7 +309,8 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
                                            tokenizer_name=info.get("tokenizer_name"),
                                            torch_threads=cfg.actors.torch_threads or max(1, int(cfg.actors.num_cpus)),
                                            piece_bytes=int(cfg.state_piece_mib) << 20,
-                                           expect_fingerprint=info["fingerprint"]),
+                                           expect_fingerprint=info["fingerprint"], memory=cfg.memory,
+                                           mone_adapters=adapters),
                 **remote)
             last_beat = time.monotonic()
             for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
@@ -277,7 +326,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
                 bar.set_postfix(tokens=stats["tokens"], tok_s=f"{stats['tokens'] / max(el, 1e-9):.0f}", refresh=False)
         bar.close()
     wall = time.perf_counter() - t_start
-    return {**stats, "docs_deferred": counts.get("deferred", 0), "wall_s": round(wall, 3),
+    return {**stats, "docs_deferred": counts.get("deferred", 0), "memory": cfg.memory, "wall_s": round(wall, 3),
             "tokens_per_s": round(stats["tokens"] / wall, 1) if wall > 0 else 0.0, "output": cfg.output,
             "problems": problems[:20], "failures": failures[:20]}
 
@@ -395,12 +444,14 @@ def query_dataset(cfg) -> dict:
     run = store.read_run()
     if run is None:
         raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no manifest/_run.json)")
+    _check_memory(store, run, cfg.memory, "query")
     out = Archive(cfg.output)
     with acquire_lease(cfg.output, _run_info("query")) as lease:
         quiet_ray_data(cfg.progress)
         out.clean_tmp()
-        model = _model_dict(cfg.model)
-        info = probe_model(model, cfg.actors)
+        model, adapters = _portable_model(_model_dict(cfg.model), cfg.memory, cfg.mone_adapters)
+        nb = run["fingerprint"].get("notebank")
+        info = probe_model(model, cfg.actors, cfg.memory, adapters, nb)
         for what, mine in (("model", info["fingerprint"]), ("tokenizer", info.get("tokenizer"))):
             theirs = run["fingerprint"].get(what)
             if mine != theirs:
@@ -415,7 +466,7 @@ def query_dataset(cfg) -> dict:
         methods = list(cfg.methods)
         keep, rejected, counts = plan_questions(scans, done, committed, methods)
         provenance = {"archive": cfg.archive, "model_fingerprint": info["fingerprint"],
-                      "notebank": json.dumps(run["fingerprint"].get("notebank"), sort_keys=True)}
+                      "notebank": json.dumps(nb, sort_keys=True) if nb is not None else None}
         stats = {"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": counts.get("already_answered", 0)}
         per_method: dict[str, list] = defaultdict(list)
         q_status: dict[str, bool] = {}
@@ -433,8 +484,10 @@ def query_dataset(cfg) -> dict:
                         c = committed[did]
                         needed[did] = {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")}
             docs_ref = ray.put(needed)
-            nb = run["fingerprint"]["notebank"]
             read = {k: v for k, v in _rc_fields(cfg.read).items() if k != "method"}
+            if cfg.memory == "mone":                 # of `read`, MoNe uses these
+                from nbcore.memory import MONE_READ_KEYS
+                read = {k: v for k, v in read.items() if k in MONE_READ_KEYS}
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
             ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
                   .flat_map(_read_questions, num_cpus=0.5)
@@ -444,7 +497,8 @@ def query_dataset(cfg) -> dict:
                               fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output,
                                                          read=read, nb=nb, docs_ref=[docs_ref], provenance=provenance,
                                                          torch_threads=cfg.actors.torch_threads
-                                                         or max(1, int(cfg.actors.num_cpus))),
+                                                         or max(1, int(cfg.actors.num_cpus)),
+                                                         memory=cfg.memory, mone_adapters=adapters),
                               **remote))
             last_beat = time.monotonic()
             seen_q = set()

@@ -5,8 +5,9 @@
            reject bad rows and duplicate ids -- before any model work
     read   .flat_map(read_corpus_groups)                          the planned rows' text (Ray tasks)
     write  .map_batches(IngestActor, batch_size=1, concurrency=n, num_gpus=g, accelerator_type=...)
-           one frozen backbone per actor; the actor writes states, the group's notes and documents
-           parts and the commit record straight to the store, and returns one small record per row
+           one memory backend per actor (NoteBank or MoNe, nbcore.memory); the actor writes states, the
+           group's notes part (NoteBank only), documents part and commit record straight to the
+           store, and returns one small record per row
 The driver holds ids, hashes and records, never text, notes or states. Ray Data schedules, retries
 (a killed actor is restarted and its group redone, with the same bytes) and applies backpressure.
 A killed driver leaves committed groups; the rerun redoes the rest. One writer per output folder
@@ -15,18 +16,12 @@ A killed driver leaves committed groups; the rerun redoes the rest. One writer p
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import sys
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
-from pipeline.archive_io import run_fingerprint
 from pipeline.config import IngestJobConfig
-from pipeline.corpus import Row, iter_corpus
-from pipeline.store import ArchiveStore, doc_key
-from schemas.manifest import DocRecord
+from pipeline.store import ArchiveStore
 
 log = logging.getLogger(__name__)
 
@@ -41,47 +36,22 @@ def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = 
     """Run one ingest job (Ray must be initialised). Returns the summary dict.
 
     on_commit(record) is called for each row's small record as it arrives (tests, progress hooks).
-    `memory: mone` ingests per-document MoNe states instead (pipeline.mone_pipeline)."""
+    Both memories (`memory: notebank | mone`) go through the same driver and actor
+    (pipeline.dataplane.ingest_dataset, pipeline.actors.IngestActor on nbcore.memory's backends).
+    `workers` is accepted for compatibility and unused (Ray Data starts its own actors)."""
     cfg.validate()
-    if cfg.memory == "mone":
-        from pipeline.mone_pipeline import run_ingest_mone
-        return run_ingest_mone(cfg, on_commit=on_commit, workers=workers)
     from pipeline.dataplane import ingest_dataset
     return ingest_dataset(cfg, on_commit=on_commit)
 
 
 # ------------------------------------------------------------------------------------------------
-# shared with the `memory: mone` driver (pipeline.mone_pipeline.run_ingest_mone)
+# the actor-pool baseline's pieces (bench/baseline_pool_ingest.py)
 
 def open_output(output: str) -> ArchiveStore:
     """The output's archive store, with temporary files of a killed run removed."""
     store = ArchiveStore(output)
     store.clean_tmp()
     return store
-
-
-def new_rows(cfg, fp: dict, done: dict, reject: Callable[[str, dict, bool], None]
-             ) -> Iterator[tuple[Row, str, dict]]:
-    """Corpus rows with a valid doc_id not seen earlier in this run -> (row, key, base record fields).
-    Every other row goes to reject(error, base, committed): committed says its key already holds an
-    ok record in `done`; a bad row with a usable, new doc_id is recorded under it (base["key"]),
-    others under manifest/rejected/."""
-    seen: dict[str, dict] = {}
-    for row in iter_corpus(cfg.corpus, cfg.limit):
-        base = dict(doc_id=row.doc_id, key=None, status="failed", source=row.source, metadata=row.metadata,
-                    fingerprint=fp)
-        key, kerr = doc_key(row.doc_id) if row.doc_id is not None else (None, None)
-        if row.error or kerr:
-            if key and row.doc_id not in seen and key not in done:
-                seen[row.doc_id] = row.source
-                base["key"] = key
-            reject(row.error or kerr, base, key in done)
-            continue
-        if row.doc_id in seen:
-            reject(f"duplicate doc_id (first seen at {seen[row.doc_id]})", base, False)
-            continue
-        seen[row.doc_id] = row.source
-        yield row, key, base
 
 
 class Tally:

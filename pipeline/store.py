@@ -6,8 +6,6 @@ Layout (see schemas/manifest.py):
     <root>/manifest/rejected/<h>.json   rows without a usable key (missing/unsafe/duplicate doc_id)
     <root>/notes/<key>.parquet
     <root>/state/<key>.safetensors
-With `memory: mone` (schemas/mone.py) the records are MoneDocRecords and the only data file is the
-fast-weight state, `state/<key>.p<part>.safetensors` (a new name per appended part).
 
 Commit protocol (single writer: the driver): each file is written under a temporary name
 (`<name>.tmp-<token>`) and renamed into place; the manifest record is written last. A document is
@@ -32,12 +30,7 @@ TMP_MARK = ".tmp-"
 _SAFE = "-_.=+@,"
 
 
-class FingerprintMismatch(RuntimeError):
-    """The output folder (or an archive file) was written by another model/config."""
-
-
-class ArchiveError(RuntimeError):
-    """An archive file is missing, truncated, corrupted or inconsistent (message names the file)."""
+from pipeline.archive import ArchiveError, FingerprintMismatch  # noqa: E402,F401 (one class each, shared)
 
 
 def utc_now() -> str:
@@ -85,9 +78,6 @@ class ArchiveStore:
 
     @staticmethod
     def rel_record(key): return f"manifest/docs/{key}.json"
-
-    @staticmethod
-    def rel_mone_state(key, part: int): return f"state/{key}.p{part:05d}.safetensors"
 
     REL_RUN = "manifest/_run.json"
 
@@ -171,28 +161,6 @@ class ArchiveStore:
         record.key, record.status, record.committed_at = key, "ok", utc_now()
         self._atomic_write(self.rel_record(key), record.to_bytes())
         return record
-
-    def commit_mone(self, key: str, part: int, state: bytes, record, previous=None):
-        """MoNe: write part ``part``'s state file, then the record (the commit); then remove the state
-        file of the previous part (``previous``: its FileRef), which no record names any more."""
-        record.state = self._atomic_write(self.rel_mone_state(key, part), state)
-        record.bytes = record.state.size
-        record.key, record.status, record.committed_at = key, "ok", utc_now()
-        self._atomic_write(self.rel_record(key), record.to_bytes())
-        if previous is not None and previous.path != record.state.path and self.exists(previous.path):
-            self.fs.rm_file(self.path(previous.path))
-        return record
-
-    def mone_payload(self, key: str, verify: bool = True) -> dict:
-        """MoNe: the state bytes of a committed document, checked against its record."""
-        from schemas.mone import MoneDocRecord
-        rec = self.load_record(key, MoneDocRecord)
-        if rec is None:
-            raise ArchiveError(f"{self.url_of(self.rel_record(key))}: document not ingested (no manifest record)")
-        if rec.status != "ok":
-            raise ArchiveError(f"{self.url_of(self.rel_record(key))}: document failed at ingest: {rec.error}")
-        data = self.read_verified(rec.state) if verify else self.read_bytes(rec.state.path)
-        return {"doc_id": rec.doc_id, "key": key, "state": data, "state_url": self.url_of(rec.state.path)}
 
     def record_failure(self, record: DocRecord) -> DocRecord:
         record.status = "failed"

@@ -196,7 +196,7 @@ def test_mone_files_round_trip_answers_equal(mone):
     a, b = backend.answer(mem, ex["question"], read), backend.answer(back, ex["question"], read)
     assert set(a) == ROW_KEYS and no_timing(a) == no_timing(b)
     assert (a["retrieved"], a["votes"], a["replay_len"], a["probe_s"]) == ([], [], 0, 0.0)
-    # what pipeline/mone_pipeline.py's MoneWorker computes
+    # what the old pipeline MoneWorker computed (and the query actor now does, through the backend)
     fast = mstate.finalized(backend.model, mem.state)
     out = backend.model.generate(_ids(backend, ex["question"]), fast, 8, backend.tokenizer.eos_token_id)
     assert a["token_ids"] == out and a["answer"] == backend.tokenizer.decode(out).split("\n")[0]
@@ -227,16 +227,20 @@ def test_mone_append_equals_state_append(mone):
 
 
 @needs_mone
-def test_mone_moved_code_matches_pipeline(mone):
-    """backend_support's copies give the pipeline's values (while pipeline/mone_pipeline.py has them)."""
-    mp = pytest.importorskip("pipeline.mone_pipeline")
-    from nbcore.mone.backend_support import adapters_dir, cut_at_stop, model_fingerprint
-    assert model_fingerprint(BASE, adapters_dir(BASE, None)) == mp.model_fingerprint(BASE, mp.adapters_dir(BASE, None))
-    for text, stop in (("ab\ncd", ["\n"]), ("abc", []), ("xyz.q\n", [".", "\n", ""])):
-        assert cut_at_stop(text, stop) == mp.cut_at_stop(text, stop)
+def test_mone_moved_code_keeps_the_pipeline_values(mone):
+    """backend_support / read_fields give the values pipeline/mone_pipeline.py (now removed) gave."""
+    from nbcore.mone.backend_support import adapters_dir, cut_at_stop, files_digest
+    assert adapters_dir(BASE, None) == f"{BASE}/mone" and adapters_dir(BASE, "x") == "x"
+    base, ad = Path(BASE), Path(BASE) / "mone"
+    files = [base / "config.json", *sorted(base.glob("*.safetensors")), ad / "mone_config.json",
+             ad / "mone_adapters.safetensors"]
     backend, _ = mone
+    assert backend.fingerprint() == files_digest(files)
+    for text, stop, want in (("ab\ncd", ["\n"], "ab"), ("abc", [], "abc"), ("xyz.q\n", [".", "\n", ""], "xyz")):
+        assert cut_at_stop(text, stop) == want
     gen = {"max_new_tokens": 3, "stop": ["\n"], "stop_at_eos": False}
-    assert backend.read_fields(gen)["read_config"] == mp.gen_json(gen)
+    assert backend.read_fields(gen)["read_config"] == \
+        '{"max_new_tokens": 3, "method": "mone", "stop": ["\\n"], "stop_at_eos": false}'
 
 
 @needs_mone

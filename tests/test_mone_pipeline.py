@@ -1,10 +1,13 @@
-"""`memory: mone` in the ingest/query jobs and the MoNe evaluation job (issue 7), on the shipped tiny
-frozen Qwen2 base with its meta-trained MoNe parameters, a real local Ray, real Parquet/safetensors."""
+"""`memory: mone` in the ingest/query jobs (issue 7) through the same Ray Data drivers and actors as
+NoteBank (pipeline.dataplane, pipeline.actors on nbcore.memory.MoneBackend), and the MoNe evaluation
+job, on the shipped tiny frozen Qwen2 base with its meta-trained MoNe parameters, a real local Ray,
+real Parquet/safetensors."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -12,8 +15,8 @@ import yaml
 
 from conftest import REPO, TEST_ACTORS, write_jsonl
 from nbcore.mone import state as mstate
+from pipeline.archive import Archive, FingerprintMismatch
 from pipeline.config import ConfigError, IngestJobConfig, QueryJobConfig, build
-from schemas.mone import MoneDocRecord
 
 BASE = str(REPO / "models" / "tiny-qwen2")
 MONE_ACTORS = {**TEST_ACTORS, "num_actors": 1}
@@ -23,11 +26,10 @@ pytestmark = pytest.mark.skipif(not (Path(BASE) / "mone" / "mone_config.json").i
 
 @pytest.fixture(scope="module")
 def mone():
-    """(MoNeModel, tokenizer) in the test process: the reference the pipeline must reproduce."""
-    from nbcore.mone.model import MoNeModel
-    from nbcore.tasks.tokenizer import load_tokenizer
+    """The in-process MoneBackend: the reference the pipeline must reproduce."""
+    from nbcore.memory import MoneBackend
     torch.set_num_threads(1)
-    return MoNeModel.from_pretrained(BASE, f"{BASE}/mone").eval(), load_tokenizer(BASE)
+    return MoneBackend.load(BASE)
 
 
 def ruler_docs(tok, n: int, length: int = 420) -> tuple[list[dict], list[dict]]:
@@ -45,9 +47,17 @@ def ids_of(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def committed(root: Path) -> dict:
+    from pipeline.dataplane import committed_documents
+    return committed_documents(Archive(str(root)), verify=True, repair=False)[1]
+
+
 def load_state(root: Path, doc: str) -> mstate.MoNeState:
-    rec = MoneDocRecord.from_bytes((root / "manifest" / "docs" / f"{doc}.json").read_bytes(), doc)
-    return mstate.MoNeState.from_bytes((root / rec.state.path).read_bytes(), rec.state.path)
+    """The document's latest committed state, as the query actor reads it."""
+    from nbcore.mone.backend_support import state_from_tensors
+    from schemas.archive import FileRef
+    c = committed(root)[doc]
+    return state_from_tensors(Archive(str(root)).read_state([FileRef(**r) for r in c["state"]]), doc)
 
 
 def assert_same_state(a: mstate.MoNeState, b: mstate.MoNeState, exact: bool = False):
@@ -59,75 +69,89 @@ def assert_same_state(a: mstate.MoNeState, b: mstate.MoNeState, exact: bool = Fa
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def data_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for sub in ("notes", "documents", "state")
+            for p in sorted((root / sub).rglob("*")) if p.is_file()}
+
+
+def icfg(corpus, out, **kw) -> IngestJobConfig:
+    return build(IngestJobConfig, {"corpus": str(corpus), "output": str(out), "memory": "mone",
+                                   "model": {"path": BASE, "device": "cpu"}, "actors": MONE_ACTORS,
+                                   "progress": False, "docs_per_group": 2, **kw})
+
+
+def qcfg(questions, archive, out, **kw) -> QueryJobConfig:
+    return build(QueryJobConfig, {"questions": str(questions), "archive": str(archive), "output": str(out),
+                                  "memory": "mone", "model": {"path": BASE, "device": "cpu"}, "actors": MONE_ACTORS,
+                                  "progress": False, "read": {"max_new_tokens": 8}, **kw})
+
+
 def job_yaml(path: Path, **cfg) -> str:
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
 
 
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
-
-
 # ------------------------------------------------------------------------------------------------
-# ingest + query through the jobs
+# ingest + query through the Ray Data drivers
 
-def test_ingest_and_query_jobs_with_mone_memory(ray_session, mone, tmp_path, capsys):
-    from jobs import ingest as ingest_job
-    from jobs import query as query_job
-    model, tok = mone
+def test_ingest_rerun_and_query_with_mone_memory(ray_session, mone, tmp_path):
+    from pipeline.ingest import run_ingest
+    from pipeline.query import run_query
+    tok = mone.tokenizer
     docs, qs = ruler_docs(tok, 2)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs + [{"doc_id": "empty", "text": ""}])
     questions = write_jsonl(tmp_path / "questions.jsonl", qs + [
         {"question_id": "lost", "doc_id": "nowhere", "question": "Anything?"}])
-    out, answers = tmp_path / "states", tmp_path / "answers.parquet"
-    common = dict(memory="mone", model={"path": BASE, "device": "cpu"}, actors=MONE_ACTORS, progress=False)
-    icfg = job_yaml(tmp_path / "ingest.yaml", corpus=str(corpus), output=str(out), **common)
-    assert ingest_job.main(["-c", icfg]) == 0
-    s = last_json(capsys.readouterr().out)
+    out, answers = tmp_path / "states", tmp_path / "answers"
+    s = run_ingest(icfg(corpus, out))
     assert (s["docs_ok"], s["docs_failed"], s["memory"]) == (2, 1, "mone"), s
+    assert "empty document" in s["failures"][0]["error"]
 
-    # the committed state is the state nbcore computes for the document's tokens, fixed-size
-    run = json.loads((out / "manifest" / "_run.json").read_text())
-    assert run["fingerprint"]["memory"] == "mone"
-    for d in docs:
-        ref = mstate.ingest(model, ids_of(tok, d["text"]))
-        got = load_state(out, d["doc_id"])
-        assert_same_state(got, ref)
-        assert (out / "state" / f"{d['doc_id']}.p00001.safetensors").is_file()
+    # the run names its memory and the MoNe model (files digest); the documents table says mone
+    run = json.loads((out / "manifest" / "_run.json").read_text())["fingerprint"]
+    assert (run["memory"], run["model"]) == ("mone", mone.fingerprint()) and "notebank" not in run
+    rows = {r["doc_id"]: r for r in pds.dataset(str(out / "documents"), format="parquet").to_table().to_pylist()}
+    assert {r["memory"] for r in rows.values()} == {"mone"} and rows["empty"]["status"] == "failed"
+    assert all(r["n_notes"] == 0 and r["notes_file"] is None and r["notebank"] is None for r in rows.values())
     assert not (out / "notes").exists()                  # no NoteBank notes: the state is the memory
-    before = {p.name: p.read_bytes() for p in (out / "state").iterdir()}
+    # the committed state is the state nbcore computes for the document's tokens
+    for d in docs:
+        assert rows[d["doc_id"]]["model_fingerprint"] == mone.fingerprint()
+        assert rows[d["doc_id"]]["n_tokens"] == len(ids_of(tok, d["text"]))
+        assert_same_state(load_state(out, d["doc_id"]), mstate.ingest(mone.model, ids_of(tok, d["text"])))
+    before = data_files(out)
 
-    # the query pass reads only the states: the corpus is gone
-    corpus.unlink()
-    qcfg = job_yaml(tmp_path / "query.yaml", questions=str(questions), archive=str(out), output=str(answers),
-                    read={"max_new_tokens": 8}, **common)
-    assert query_job.main(["-c", qcfg]) == 0
-    s = last_json(capsys.readouterr().out)
-    assert (s["questions_ok"], s["questions_failed"]) == (2, 1), s
-    rows = {r["question_id"]: r for r in pq.read_table(answers).to_pylist()}
-    assert rows["lost"]["status"] == "failed" and "not ingested" in rows["lost"]["error"]
-    for d, q in zip(docs, qs):
-        r = rows[q["question_id"]]
-        assert (r["status"], r["method"]) == ("ok", "mone")
-        fast = mstate.finalized(model, mstate.ingest(model, ids_of(tok, d["text"])))
-        expect = model.generate(ids_of(tok, q["question"]), fast, 8, tok.eos_token_id)
-        assert r["token_ids"] == expect and r["answer"] == tok.decode(expect)
-        assert r["score"] is not None
-
-    # rerun: nothing redone, bytes unchanged (deterministic files)
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
-    assert ingest_job.main(["-c", icfg]) == 0
-    s = last_json(capsys.readouterr().out)
+    # rerun: nothing redone, bytes unchanged
+    s = run_ingest(icfg(corpus, out))
     assert (s["docs_ok"], s["docs_skipped"]) == (0, 2), s
-    assert {p.name: p.read_bytes() for p in (out / "state").iterdir()} == before
+    assert data_files(out) == before
+
+    # the query reads only the states (the corpus is gone): the in-process backend's answers
+    corpus.unlink()
+    s = run_query(qcfg(questions, out, answers))
+    assert (s["questions_ok"], s["questions_failed"]) == (2, 1), s
+    got = {r["question_id"]: r for r in pds.dataset(str(answers), format="parquet").to_table().to_pylist()}
+    assert got["lost"]["status"] == "failed" and "not archived" in got["lost"]["error"]
+    read = {"max_new_tokens": 8, "stop": [], "stop_at_eos": True}
+    for d, q in zip(docs, qs):
+        r = got[q["question_id"]]
+        ref = mone.answer(mone.ingest(d["doc_id"], d["text"]), q["question"], read)
+        assert (r["status"], r["method"], r["read_config"]) == ("ok", "mone", mone.read_fields(read)["read_config"])
+        assert r["token_ids"] == ref["token_ids"] and r["answer"] == ref["answer"]
+        assert r["score"] is not None and r["model_fingerprint"] == mone.fingerprint() and r["notebank"] is None
+
+    # a NoteBank query (or ingest) on this MoNe archive is refused, naming the memory it holds
+    with pytest.raises(FingerprintMismatch, match="holds mone memory states.*set memory: mone"):
+        run_query(build(QueryJobConfig, {"questions": str(questions), "archive": str(out),
+                                          "output": str(tmp_path / "nb-answers"), "model": {"path": BASE}}))
+    with pytest.raises(FingerprintMismatch, match="set memory: mone"):
+        run_ingest(build(IngestJobConfig, {"corpus": str(questions), "output": str(out), "model": {"path": BASE}}))
+    assert data_files(out) == before and not (tmp_path / "nb-answers").exists()
 
 
-def test_two_part_incremental_ingest_equals_one_part(ray_session, mone, tmp_path):
+def test_append_equals_ingest_of_the_concatenation(ray_session, mone, tmp_path):
     from pipeline.ingest import run_ingest
-    from pipeline.mone_pipeline import start_mone_workers
-    from pipeline.pool import stop_workers
-    from pipeline.config import ActorSpec, ModelSpec
-    model, tok = mone
+    model, tok = mone.model, mone.tokenizer
     text = ruler_docs(tok, 1, length=700)[0][0]["text"]
     full = ids_of(tok, text)
     # a split at a space whose two halves tokenise to the whole's tokens, and not at a segment boundary
@@ -135,41 +159,39 @@ def test_two_part_incremental_ingest_equals_one_part(ray_session, mone, tmp_path
     split = next(i for i in range(len(text) // 2, len(text)) if text[i] == " "
                  and ids_of(tok, text[:i]) + ids_of(tok, text[i:]) == full and len(ids_of(tok, text[:i])) % T)
     a, b = text[:split], text[split:]
-    workers = start_mone_workers(build(ModelSpec, {"path": BASE}), build(ActorSpec, MONE_ACTORS), None)
-    try:
-        def ingest(corpus_rows, out, **kw):
-            corpus = write_jsonl(tmp_path / f"c-{len(list(tmp_path.iterdir()))}.jsonl", corpus_rows)
-            cfg = build(IngestJobConfig, {"corpus": str(corpus), "output": str(out), "memory": "mone",
-                                          "model": {"path": BASE}, "actors": MONE_ACTORS, "progress": False, **kw})
-            return run_ingest(cfg, workers=workers)
+    n = [0]
 
-        two, one = tmp_path / "two", tmp_path / "one"
-        assert ingest([{"doc_id": "x", "text": a}], two)["docs_ok"] == 1
-        s = ingest([{"doc_id": "x", "text": b}], two)
-        assert s["docs_failed"] == 1 and "append: true" in s["failures"][0]["error"]   # refused without append
-        s = ingest([{"doc_id": "x", "text": b}], two, append=True)
-        assert (s["docs_appended"], s["docs_ok"]) == (1, 0), s
-        assert ingest([{"doc_id": "x", "text": a + b}], one)["docs_ok"] == 1
-        assert_same_state(load_state(two, "x"), load_state(one, "x"))
-        rec = MoneDocRecord.from_bytes((two / "manifest" / "docs" / "x.json").read_bytes(), "x")
-        assert [p.n_tokens for p in rec.parts] == [len(ids_of(tok, a)), len(ids_of(tok, b))]
-        assert rec.n_tokens == len(full) and rec.n_segments == len(full) // T and rec.n_pending == len(full) % T
-        assert sorted(p.name for p in (two / "state").iterdir()) == ["x.p00002.safetensors"]   # part 1 removed
-        # appending an already-appended part again is a no-op; a failed append keeps the committed state
-        assert ingest([{"doc_id": "x", "text": b}], two, append=True)["docs_skipped"] == 1
-        assert ingest([{"doc_id": "x", "text": ""}], two, append=True)["docs_failed"] == 1
-        assert MoneDocRecord.from_bytes((two / "manifest" / "docs" / "x.json").read_bytes(), "x").status == "ok"
-        # the pipeline state equals nbcore's incremental ingest
-        ref = mstate.append(model, mstate.ingest(model, ids_of(tok, a)), ids_of(tok, b))
-        assert_same_state(load_state(two, "x"), ref)
-    finally:
-        stop_workers(workers[0])
+    def ingest(rows, out, **kw):
+        n[0] += 1
+        return run_ingest(icfg(write_jsonl(tmp_path / f"c{n[0]}.jsonl", rows), out, **kw))
+
+    out = tmp_path / "out"       # x: ingested in two parts; y: the concatenation in one
+    assert ingest([{"doc_id": "x", "text": a}, {"doc_id": "y", "text": a + b}], out)["docs_ok"] == 2
+    s = ingest([{"doc_id": "x", "text": b}], out)
+    assert s["docs_failed"] == 1 and "mode: append" in s["failures"][0]["error"]   # refused without append
+    s = ingest([{"doc_id": "x", "text": b}], out, append=True)                     # MoNe's old switch
+    assert (s["docs_ok"], s["docs_failed"]) == (1, 0), s
+    assert_same_state(load_state(out, "x"), load_state(out, "y"))
+    c = committed(out)["x"]
+    assert c["generation"] == 1 and c["n_tokens"] == len(full)
+    st = load_state(out, "x")
+    assert (st.n_tokens, st.n_segments, len(st.pending)) == (len(full), len(full) // T, len(full) % T)
+    assert sorted(p.name for p in (out / "state").iterdir()) == ["x.g0.safetensors", "x.g1.safetensors",
+                                                                  "y.g0.safetensors"]
+    # appending the same part again is a no-op; a failed append keeps the committed state
+    s = ingest([{"doc_id": "x", "text": b}, {"doc_id": "y", "text": ""}], out, mode="append")
+    assert (s["docs_skipped"], s["docs_failed"]) == (1, 1) and "empty" in s["failures"][0]["error"], s
+    assert committed(out)["y"]["generation"] == 0
+    # the pipeline state equals nbcore's incremental ingest, and the in-process backend's append
+    ref = mstate.append(model, mstate.ingest(model, ids_of(tok, a)), ids_of(tok, b))
+    assert_same_state(load_state(out, "x"), ref)
+    assert_same_state(load_state(out, "x"), mone.append(mone.ingest("x", a), b).state)
 
 
 def test_memory_choice_is_validated(tmp_path, capsys):
     from jobs import ingest as ingest_job
     from pipeline.query import run_query
-    from pipeline.store import FingerprintMismatch
+    from schemas.manifest import run_record
     base = {"corpus": "c.jsonl", "output": "o", "model": {"path": BASE}}
     with pytest.raises(ConfigError, match=r"memory must be one of \['notebank', 'mone'\], got 'bogus'"):
         build(IngestJobConfig, {**base, "memory": "bogus"}).validate()
@@ -180,23 +202,26 @@ def test_memory_choice_is_validated(tmp_path, capsys):
     assert e.value.code == 2 and "got 'bogus'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="needs model.path"):
         build(IngestJobConfig, {**base, "memory": "mone", "model": {"path": None, "hf_config": {"model_type": "qwen2"}}}).validate()
-    with pytest.raises(ConfigError, match="append: true needs memory: mone"):
+    with pytest.raises(ConfigError, match="append: true is the MoNe switch"):
         build(IngestJobConfig, {**base, "append": True}).validate()
+    assert build(IngestJobConfig, {**base, "memory": "mone", "append": True}).validate().mode == "append"
     q = build(QueryJobConfig, {"questions": "q", "archive": "a", "output": "o", "memory": "mone",
                                "model": {"path": BASE}}).validate()
     assert q.methods == ["mone"]
     with pytest.raises(ConfigError, match="answers with"):
         build(QueryJobConfig, {"questions": "q", "archive": "a", "output": "o", "memory": "mone",
                                "model": {"path": BASE}, "methods": ["notebank"]}).validate()
-    # a NoteBank query against a MoNe output folder says which memory it holds
-    root = tmp_path / "states"
-    (root / "manifest").mkdir(parents=True)
-    from schemas.manifest import run_record
-    (root / "manifest" / "_run.json").write_bytes(run_record({"memory": "mone", "model": "m"}, "now"))
+    # the refusals come before any model work: fake archives, no Ray needed
     write_jsonl(tmp_path / "q.jsonl", [{"question_id": "a", "doc_id": "d", "question": "?"}])
-    with pytest.raises(FingerprintMismatch, match="set memory: mone"):
-        run_query(build(QueryJobConfig, {"questions": str(tmp_path / "q.jsonl"), "archive": str(root),
-                                         "output": str(tmp_path / "a.parquet"), "model": {"path": BASE}}))
+    for held, fp, memory in (("mone", {"memory": "mone", "model": "m"}, "notebank"),
+                             ("notebank", {"model": "m", "notebank": {}}, "mone")):   # no memory key: notebank
+        root = tmp_path / held
+        (root / "manifest").mkdir(parents=True)
+        (root / "manifest" / "_run.json").write_bytes(run_record(fp, "now"))
+        with pytest.raises(FingerprintMismatch, match=f"set memory: {held}"):
+            run_query(build(QueryJobConfig, {"questions": str(tmp_path / "q.jsonl"), "archive": str(root),
+                                             "output": str(tmp_path / f"a-{held}"), "memory": memory,
+                                             "model": {"path": BASE}}))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Pure-PyTorch pieces of the MoNe worker that the pipeline used to hold (pipeline/mone_pipeline.py),
-moved here so that ``nbcore.memory.MoneBackend`` needs nothing from pipeline/ (never imports ray).
+"""Pure-PyTorch pieces of the MoNe worker that the pipeline used to hold (the removed
+pipeline/mone_pipeline.py), here so that ``nbcore.memory.MoneBackend`` needs nothing from pipeline/
+(never imports ray). The pipeline's actors (pipeline/actors.py) use MoneBackend.
 
-- ``files_digest`` / ``model_fingerprint`` / ``adapters_dir``: same values as the pipeline functions
-  of the same names (archives written by either stay valid for the other);
+- ``files_digest`` / ``model_fingerprint`` / ``adapters_dir``: the same values the old pipeline
+  functions of the same names gave (MoNe run fingerprints stay comparable);
 - ``weights_fingerprint``: for a MoNeModel built in memory (no files);
 - ``state_to_tensors`` / ``state_from_tensors``: a MoNeState as ONE flat tensor dict (fast weights,
   pending ids and the counters as int64 tensors), so that a generic safetensors writer can persist it
