@@ -236,10 +236,10 @@ def load_archive(store: Archive, doc_id: str, notes_files: list[str], generation
 class QueryActor(_Memory):
     def __init__(self, model: dict, archive: str, output: str, read: dict, nb: dict | None, docs_ref,
                  provenance: dict, torch_threads: int = 1, memory: str = "notebank",
-                 mone_adapters: str | None = None):
-        super().__init__(model, memory, nb, 8192, mone_adapters, torch_threads)
+                 mone_adapters: str | None = None, block_size: int = 8192):
+        super().__init__(model, memory, nb, block_size, mone_adapters, torch_threads)
         import ray
-        self.store = Archive(archive)
+        self.store = Archive(archive) if archive else None      # None: one-pass mode (read the corpus)
         self.out = Archive(output)
         self.read = read                              # shared read settings; method set per row
         if isinstance(docs_ref, list):              # [ObjectRef]: wrapped so Ray does not resolve it per call
@@ -260,8 +260,11 @@ class QueryActor(_Memory):
         mem = None
         try:
             if info is None:
-                raise ArchiveError(f"document {doc_id!r} is not archived in {self.store.url}")
-            mem = self.load_memory(self.store, doc_id, info)
+                raise ArchiveError(f"document {doc_id!r} is not archived in {self.store.url if self.store else '-'}")
+            if "text_at" in info:       # one-pass: ingest here, answer from memory, persist nothing
+                mem = self.backend.ingest(doc_id, read_corpus_text(info["text_at"]))
+            else:
+                mem = self.load_memory(self.store, doc_id, info)
             err = None
         except (ArchiveError, FingerprintMismatch, SchemaError, ValueError, RuntimeError) as e:
             err = _err(e)
@@ -304,6 +307,21 @@ class QueryActor(_Memory):
         fn, _ = score_fn()
         return {"status": "ok", "error": None, **row, "total_s": time.perf_counter() - t0,
                 "score": float(fn(row["answer"], refs)) if refs else None}
+
+
+def read_corpus_text(at: dict) -> str:
+    """One-pass mode: the text of one corpus row, read from its shard at the scan's seek point."""
+    from pipeline.corpus import iter_shard
+    from schemas.inputs import check_corpus_row
+    for i, raw, err, _ in iter_shard(at["shard"], at["seek"]):
+        if i == at["row"]:
+            _doc_id, text, _meta, err = check_corpus_row(raw) if raw is not None else (None, None, {}, err)
+            if err:
+                raise ValueError(f"{at['shard']}:{i}: {err}")
+            return text
+        if i > at["row"]:
+            break
+    raise ArchiveError(f"{at['shard']}: row {at['row']} is gone (the shard changed during the job?)")
 
 
 def _rows_of(batch: dict) -> list[dict]:

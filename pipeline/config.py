@@ -157,8 +157,12 @@ class QueryJobConfig:
     """jobs/query.py"""
 
     questions: str = ""                   # fsspec URL/path of question shards (.jsonl/.parquet)
-    archive: str = ""                     # an ingest output folder
-    output: str = ""                      # answers Parquet file URL
+    archive: str = ""                     # an ingest output folder (or, for one-pass mode, leave empty and set corpus)
+    corpus: str = ""                      # one-pass mode: corpus shards; each document is ingested and answered
+                                          # in the same actor, and its state is never persisted (hybrids at long T)
+    output: str = ""                      # answers folder: a Parquet dataset of part-*.parquet files
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # one-pass mode: the writer config
+    block_size: int = 8192                # one-pass mode: tokens per forward block
     model: ModelSpec = field(default_factory=ModelSpec)
     methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
     read: ReadConfig = field(default_factory=ReadConfig)   # shared settings; `method` is set per method
@@ -168,18 +172,31 @@ class QueryJobConfig:
     memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state, issue 7)
     mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
 
+    @property
+    def onepass(self) -> bool:
+        return bool(self.corpus)
+
     def validate(self):
-        for name in ("questions", "archive", "output"):
+        for name in ("questions", "output"):
             if not getattr(self, name):
                 raise ConfigError(f"{name} is required (--set {name}=URL)")
+        if bool(self.archive) == bool(self.corpus):
+            raise ConfigError("set exactly one of archive (answer from an ingest output) or corpus (one-pass mode: "
+                              "ingest and answer in the same actor, nothing persisted)")
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
         validate_memory(self.memory, self.model)
         if self.memory == "mone":
             return self._validate_mone()
         if not self.methods:
             raise ConfigError("methods must not be empty")
-        if "jrt" in self.methods:
+        try:
+            self.notebank.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if "jrt" in self.methods and not self.onepass:
             raise ConfigError("method jrt re-reads the context, which an archive does not keep: use the one-pass "
-                              "mode (pipeline.onepass) for jrt")
+                              "mode (set corpus instead of archive) for jrt")
         self.model.validate()
         self.actors.validate()
         for cfg in self.read_configs():

@@ -262,6 +262,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
     check_no_escape(cfg.output, ["manifest", "notes", "documents", "state", "_lease.json"])
     store.check_layout()
     with acquire_lease(cfg.output, _run_info("ingest")) as lease:
+        lease.start_heartbeat()              # a background thread: the lease stays live on long jobs
         quiet_ray_data(cfg.progress)
         store.clean_tmp()
         spec = _model_dict(cfg.model)
@@ -275,7 +276,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
         for p in problems:
             log.warning("%s", p)
         scans = (ray.data.from_items([{"shard": s} for s in shards])
-                 .map(_scan_corpus, num_cpus=0.5).take_all())
+                 .map(_scan_corpus, num_cpus=0, concurrency=4).take_all())
         order = {s: i for i, s in enumerate(shards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         plan, counts = plan_groups(scans, valid, committed, cfg)
@@ -297,7 +298,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
             items = [{"shard": s, "group": g, "seek": json.dumps(counts["seeks"][(s, g)]), "plan": json.dumps(rows)}
                      for s, groups in plan.items() for g, rows in groups.items()]
             ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.flat_map(_read_groups, num_cpus=0.25)
+            ds = ds.flat_map(_read_groups, num_cpus=0, concurrency=4)
             # Ray Data restarts dead actors and retries their batches without limit (its defaults)
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
             from pipeline.actors import IngestActor
@@ -312,16 +313,12 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
                                            expect_fingerprint=info["fingerprint"], memory=cfg.memory,
                                            mone_adapters=adapters),
                 **remote)
-            last_beat = time.monotonic()
             for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
                 for rec in batch.to_dict("records"):
                     _tally(stats, failures, rec)
                     bar.update(1)
                     if on_commit:
                         on_commit(rec)
-                if time.monotonic() - last_beat > 30:
-                    lease.heartbeat()
-                    last_beat = time.monotonic()
                 el = time.perf_counter() - t_start
                 bar.set_postfix(tokens=stats["tokens"], tok_s=f"{stats['tokens'] / max(el, 1e-9):.0f}", refresh=False)
         bar.close()
@@ -433,39 +430,50 @@ def query_dataset(cfg) -> dict:
     from pipeline.query import rc_json, write_rejected
     from pipeline.safety import acquire_lease, check_no_escape, check_query_output
     t_start = time.perf_counter()
-    _require_shared_store(cfg.archive, "archive")
     _require_shared_store(cfg.output, "output")
-    check_query_output(cfg.output, cfg.archive)
     check_no_escape(cfg.output, ["_lease.json"])
     fs, q_paths = list_shards(cfg.questions)
     qshards = [fs.unstrip_protocol(p) for p in q_paths]
-    store = Archive(cfg.archive)
-    store.check_layout()
-    run = store.read_run()
-    if run is None:
-        raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no manifest/_run.json)")
-    _check_memory(store, run, cfg.memory, "query")
+    if cfg.onepass:
+        # one-pass: no archive; a run record of what the answers depend on (the writer config)
+        fs_c, c_paths = list_shards(cfg.corpus)
+        cshards = [fs_c.unstrip_protocol(p) for p in c_paths]
+        store = None
+        run = {"fingerprint": {"notebank": cfg.notebank.to_dict() if cfg.memory == "notebank" else None}}
+    else:
+        _require_shared_store(cfg.archive, "archive")
+        check_query_output(cfg.output, cfg.archive)
+        store = Archive(cfg.archive)
+        store.check_layout()
+        run = store.read_run()
+        if run is None:
+            raise FileNotFoundError(f"{cfg.archive}: not an ingest output (no manifest/_run.json)")
+        _check_memory(store, run, cfg.memory, "query")
     out = Archive(cfg.output)
     with acquire_lease(cfg.output, _run_info("query")) as lease:
+        lease.start_heartbeat()
         quiet_ray_data(cfg.progress)
         out.clean_tmp()
         model, adapters = _portable_model(_model_dict(cfg.model), cfg.memory, cfg.mone_adapters)
         nb = run["fingerprint"].get("notebank")
         info = probe_model(model, cfg.actors, cfg.memory, adapters, nb)
         for what, mine in (("model", info["fingerprint"]), ("tokenizer", info.get("tokenizer"))):
-            theirs = run["fingerprint"].get(what)
+            theirs = run["fingerprint"].get(what, mine)
             if mine != theirs:
                 raise FingerprintMismatch(f"{store.url_of('manifest/_run.json')}: archives were written with {what} "
                                           f"{theirs!r}, but the configured {what} is {mine!r}")
-        _valid, committed, problems = committed_documents(store, verify=False, repair=False)
+        if cfg.onepass:
+            committed, problems = corpus_locations(cshards), []
+        else:
+            _valid, committed, problems = committed_documents(store, verify=False, repair=False)
         done, p2 = existing_answers(out)
         problems += p2
-        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0.5).take_all()
+        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0, concurrency=4).take_all()
         order = {s: i for i, s in enumerate(qshards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         methods = list(cfg.methods)
         keep, rejected, counts = plan_questions(scans, done, committed, methods)
-        provenance = {"archive": cfg.archive, "model_fingerprint": info["fingerprint"],
+        provenance = {"archive": cfg.archive or None, "model_fingerprint": info["fingerprint"],
                       "notebank": json.dumps(nb, sort_keys=True) if nb is not None else None}
         stats = {"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": counts.get("already_answered", 0)}
         per_method: dict[str, list] = defaultdict(list)
@@ -482,7 +490,8 @@ def query_dataset(cfg) -> dict:
                 for row, qid, did, err in json.loads(sc["rows"]):
                     if str(row) in keep.get(sc["shard"], {}) and did in committed:
                         c = committed[did]
-                        needed[did] = {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")}
+                        needed[did] = ({"text_at": c["text_at"]} if cfg.onepass else
+                                       {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")})
             docs_ref = ray.put(needed)
             read = {k: v for k, v in _rc_fields(cfg.read).items() if k != "method"}
             if cfg.memory == "mone":                 # of `read`, MoNe uses these
@@ -490,7 +499,7 @@ def query_dataset(cfg) -> dict:
                 read = {k: v for k, v in read.items() if k in MONE_READ_KEYS}
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
             ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
-                  .flat_map(_read_questions, num_cpus=0.5)
+                  .flat_map(_read_questions, num_cpus=0, concurrency=4)
                   .groupby("doc_id")
                   .map_groups(QueryActor, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
                               num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
@@ -498,9 +507,9 @@ def query_dataset(cfg) -> dict:
                                                          read=read, nb=nb, docs_ref=[docs_ref], provenance=provenance,
                                                          torch_threads=cfg.actors.torch_threads
                                                          or max(1, int(cfg.actors.num_cpus)),
-                                                         memory=cfg.memory, mone_adapters=adapters),
+                                                         memory=cfg.memory, mone_adapters=adapters,
+                                                         block_size=cfg.block_size),
                               **remote))
-            last_beat = time.monotonic()
             seen_q = set()
             for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
                 for rec in batch.to_dict("records"):
@@ -512,9 +521,6 @@ def query_dataset(cfg) -> dict:
                     if rec["question_id"] not in seen_q:
                         seen_q.add(rec["question_id"])
                         bar.update(1)
-                if time.monotonic() - last_beat > 30:
-                    lease.heartbeat()
-                    last_beat = time.monotonic()
         bar.close()
     stats["questions_ok"] = sum(q_status.values())
     stats["questions_failed"] = sum(not v for v in q_status.values())
@@ -523,6 +529,21 @@ def query_dataset(cfg) -> dict:
             "mean_score": {m: round(sum(v) / len(v), 4) for m, v in sorted(per_method.items())},
             "n_scored": {m: len(v) for m, v in sorted(per_method.items())}, "problems": problems[:20],
             "failures": [{"question_id": r["question_id"], "error": r["error"]} for r in rejected[:20]]}
+
+
+def corpus_locations(shards: list[str]) -> dict:
+    """One-pass mode: {doc_id: {"text_at": {shard, seek, row}}} of a corpus (first row of each id wins);
+    rows without a usable id or text are left out (their questions get error rows)."""
+    import ray
+    scans = ray.data.from_items([{"shard": s} for s in shards]).map(_scan_corpus, num_cpus=0, concurrency=4).take_all()
+    order = {s: i for i, s in enumerate(shards)}
+    scans.sort(key=lambda sc: order[sc["shard"]])
+    out: dict = {}
+    for sc in scans:
+        for row, doc_id, sha, err, at in json.loads(sc["rows"]):
+            if doc_id is not None and not err and doc_id not in out:
+                out[doc_id] = {"text_at": {"shard": sc["shard"], "seek": at, "row": row}, "shas": {sha}}
+    return out
 
 
 def _rc_fields(rc) -> dict:

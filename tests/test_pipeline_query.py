@@ -179,3 +179,25 @@ def test_demo_defaults_use_the_shipped_model_on_ruler(ray_session, tmp_path):
     finally:
         os.chdir(cwd)
     assert s["ingest"]["docs_ok"] == 1 and s["query"]["questions_ok"] == 1 and s["query"]["rows"] == 3
+
+
+def test_onepass_job_matches_archive_answers_and_persists_nothing(ray_session, archive, tmp_path):
+    """Query with `corpus` instead of `archive`: each document is ingested and answered in one actor;
+    the answers have the same schema and equal the archive path's, and no state is written."""
+    base = qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "from-archive", methods=["notebank"])
+    run_query(base)
+    one = qcfg(archive / "questions.jsonl", "", tmp_path / "onepass", methods=["notebank", "jrt"],
+               corpus=str(archive / "corpus.jsonl"), notebank=TINY_NB, block_size=512)
+    s = run_query(one)
+    assert s["questions_ok"] == 7, s
+    a = {(r["question_id"], r["method"]): r for r in read_answers(tmp_path / "from-archive").to_pylist()}
+    b = {(r["question_id"], r["method"]): r for r in read_answers(tmp_path / "onepass").to_pylist()}
+    for (qid, m), r in a.items():
+        if r["status"] == "ok":
+            o = b[(qid, m)]
+            assert o["status"] == "ok" and o["answer"] == r["answer"] and o["retrieved"] == r["retrieved"]
+            assert o["archive"] is None
+            assert b[(qid, "jrt")]["status"] == "ok"
+    assert not list((tmp_path / "onepass").rglob("*.safetensors"))
+    with pytest.raises(Exception, match="exactly one of archive"):
+        qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "x", corpus=str(archive / "corpus.jsonl"))
