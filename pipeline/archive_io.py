@@ -13,6 +13,7 @@ from nbcore.config import NoteBankConfig
 from nbcore.notebank.archive import Archive
 from schemas import notes as notes_schema
 from schemas._base import SchemaError, parquet_bytes_to_table, table_to_parquet_bytes
+from pipeline.archive import _safetensors_metadata
 from pipeline.store import ArchiveError, FingerprintMismatch
 
 STATE_FORMAT = "notebank.state"
@@ -108,13 +109,3 @@ def bytes_to_state_tensors(data: bytes, where: str, expect_model: str | None = N
         raise FingerprintMismatch(f"{where}: state was written by model {meta.get('model')!r}, but the loaded "
                                   f"model is {expect_model!r}")
     return tensors
-
-
-def _safetensors_metadata(data: bytes) -> dict:
-    if len(data) < 8:
-        raise ValueError("file shorter than the 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise ValueError(f"header length {n} exceeds file size {len(data)}")
-    header = json.loads(data[8:8 + n])
-    return header.get("__metadata__", {}) or {}

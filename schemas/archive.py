@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas._base import SchemaError, check_table, dumps_json, schema_meta, with_meta
+from schemas.manifest import FileRef  # noqa: F401 (one file-reference type for both layouts)
 
 LAYOUT_VERSION = 2
 NOTES_NAME, NOTES_VERSION = "notes", 2
@@ -175,13 +176,6 @@ def validate_documents_table(table: pa.Table, where: str) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # commit records
-
-@dataclass
-class FileRef:
-    path: str          # relative to the output root
-    size: int
-    sha256: str
-
 
 @dataclass
 class DocEntry:
