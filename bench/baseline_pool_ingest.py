@@ -26,7 +26,7 @@ import pickle
 import time
 from typing import Callable
 
-from pipeline.config import IngestJobConfig
+from notebank.pipeline.config import IngestJobConfig
 
 __all__ = ["run_baseline_ingest"]
 
@@ -35,7 +35,7 @@ def _ingest_doc(worker, task: dict, nb: dict, block_size: int) -> dict:
     """What NoteBankWorker.ingest_doc did: -> {ok, error | notes, state, n_tokens, n_notes, ...}."""
     from nbcore import ingest
     from nbcore.config import NoteBankConfig
-    from pipeline import archive_io
+    from notebank.pipeline import archive_io
     t0 = time.perf_counter()
     try:
         res = ingest(worker.bb, task["text"], NoteBankConfig(**nb), block_size=block_size)
@@ -54,8 +54,8 @@ def _start(model, actors):
     """pool.start_workers, or (NoteBankWorker.ingest_doc removed) the same pool of a subclass that has it."""
     import ray
 
-    from pipeline import pool
-    from pipeline.worker import NoteBankWorker
+    from notebank.pipeline import pool
+    from notebank.pipeline.worker import NoteBankWorker
     if hasattr(NoteBankWorker, "ingest_doc"):
         return pool.start_workers(model, actors)
 
@@ -78,11 +78,11 @@ def run_baseline_ingest(cfg: IngestJobConfig, on_result: Callable[[dict], None] 
     pickled_bytes, n_tokens} per document."""
     # self-contained on purpose (the old pipeline.ingest helpers may go away): only pool, store, corpus,
     # archive_io and the DocRecord schema, which the old driver used
-    from pipeline.archive_io import run_fingerprint
-    from pipeline.corpus import iter_corpus
-    from pipeline.pool import dispatch, stop_workers, worker_failure
-    from pipeline.store import ArchiveStore, doc_key
-    from schemas.manifest import DocRecord
+    from notebank.pipeline.archive_io import run_fingerprint
+    from notebank.pipeline.corpus import iter_corpus
+    from notebank.pipeline.pool import dispatch, stop_workers, worker_failure
+    from notebank.pipeline.store import ArchiveStore, doc_key
+    from notebank.schemas.manifest import DocRecord
 
     cfg.validate()
     t_start = time.perf_counter()

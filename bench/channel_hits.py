@@ -2,8 +2,8 @@
 group) of Eq. 5, how often its single vote lands on a note that holds a gold value, beside the
 top-2 retrieved coverage of the vote count. Only the writer and the question probe run (no replay).
 
-    .venv/bin/python bench/channel_hits.py --model models/tiny-mamba2-v4 --chunk-size 256 \\
-        --length 16K --n 2 --out bench/results/channel_hits/tiny-mamba2-v4-16K.json
+    .venv/bin/python bench/channel_hits.py --model models/tiny-mamba2-p5 --chunk-size 256 \\
+        --length 16K --n 2 --out bench/results/channel_hits/tiny-mamba2-p5-16K.json
 
 RULER examples drawn with seed 1 (a development draw, disjoint from the sweep's seed-0 examples).
 A channel that votes at random hits a gold note with probability ~ (gold notes / notes), printed
@@ -21,13 +21,13 @@ import torch  # noqa: E402
 
 from bench.common import add_dev_draw_args, write_dev_draw  # noqa: E402
 from nbcore.config import NoteBankConfig  # noqa: E402
-from nbcore.evals.ruler_eval import coverage  # noqa: E402
+from nbcore.evals.methods import coverage  # noqa: E402
 from nbcore.notebank.route import channel_winners, top_r  # noqa: E402
 from nbcore.notebank.routers import RouteQuery  # noqa: E402
 from nbcore.reader import coords_for, ingest  # noqa: E402
 from nbcore.tasks import ruler  # noqa: E402
-from pipeline.evaluate import parse_length  # noqa: E402
-from pipeline.worker import build_backbone  # noqa: E402
+from notebank.pipeline.evaluate import parse_length  # noqa: E402
+from nbcore.backbones.loading import build_backbone  # noqa: E402
 
 
 def channel_hits(bb, archive, state, question: str, answers: list[str]) -> tuple[np.ndarray, float, float, dict]:

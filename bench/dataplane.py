@@ -114,7 +114,7 @@ def make_corpus(path: Path, n: int, lo: int, hi: int, seed: int, prefix: str = "
 
 
 def ingest_cfg(args, corpus: Path, output: Path, model: dict, n_actors: int, group: int):
-    from pipeline.config import IngestJobConfig, build
+    from notebank.pipeline.config import IngestJobConfig, build
     return build(IngestJobConfig, {
         "corpus": str(corpus), "output": str(output), "model": model, "notebank": TINY_NB,
         "actors": {"num_actors": n_actors, "num_cpus": args.actor_cpus, "torch_threads": args.torch_threads,
@@ -243,7 +243,7 @@ def steady_tok_s(arrivals: list[tuple[float, str, int]], skip: int) -> float | N
 # one run of each design
 
 def run_new(args, corpus, output, model, n_actors, group) -> dict:
-    from pipeline.ingest import run_ingest
+    from notebank.pipeline.ingest import run_ingest
     cfg = ingest_cfg(args, corpus, output, model, n_actors, group)
     rec_bytes, arrivals = [0, 0], []
 
@@ -295,10 +295,10 @@ def run_base(args, corpus, output, model, n_actors, group) -> dict:
 def rss_child(args) -> None:
     import ray
     ray.init(address=args.ray_address, log_to_driver=False)     # workers: the parent's raylet environment
-    import pipeline.dataplane  # noqa: F401 - imports done before the baseline RSS is read
-    import pipeline.actors  # noqa: F401
+    import notebank.pipeline.dataplane  # noqa: F401 - imports done before the baseline RSS is read
+    import notebank.pipeline.actors  # noqa: F401
     import ray.data  # noqa: F401
-    from pipeline.ingest import run_ingest
+    from notebank.pipeline.ingest import run_ingest
     cur = {"peak": 0.0}
     import psutil
     proc, stop = psutil.Process(), threading.Event()

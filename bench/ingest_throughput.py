@@ -30,10 +30,10 @@ import ray  # noqa: E402
 
 from nbcore import NoteBankConfig  # noqa: E402
 from nbcore.testing import needle_text  # noqa: E402
-from pipeline.config import ActorSpec, IngestJobConfig, ModelSpec  # noqa: E402
-from pipeline.ingest import run_ingest  # noqa: E402
-from pipeline.pool import dispatch, start_workers, stop_workers  # noqa: E402
-from pipeline.store import ArchiveStore  # noqa: E402
+from notebank.pipeline.config import ActorSpec, IngestJobConfig, ModelSpec  # noqa: E402
+from notebank.pipeline.ingest import run_ingest  # noqa: E402
+from notebank.pipeline.pool import dispatch, start_workers, stop_workers  # noqa: E402
+from notebank.pipeline.store import ArchiveStore  # noqa: E402
 
 
 def model_spec(a) -> ModelSpec:

@@ -27,14 +27,15 @@ from bench.common import machine, today, write_json  # noqa: E402
 
 
 def train(args, model_dir, replay: bool, name: str) -> dict:
-    from pipeline.config import ModelSpec
-    from pipeline.train_lora import SyntheticSpec, TrainLoraJobConfig, TrainSpec, run_train
+    from notebank.pipeline.config import ModelSpec
+    from nbcore.training.lora import LoraTrainConfig
+    from notebank.pipeline.train_lora import SyntheticSpec, TrainLoraJobConfig, run_train
     nb = _nb(args)
     cfg = TrainLoraJobConfig(
         synthetic=SyntheticSpec(n=args.train_n, lengths=args.train_len, seed=args.seed),
-        model=ModelSpec(path=model_dir, device="cpu"), notebank=nb,
-        train=TrainSpec(updates=args.updates, examples_per_update=4, lr=args.lr, top_r=args.top_r,
-                        replay=replay, seed=args.seed),
+        model=ModelSpec(path=model_dir, device="cpu"),
+        train=LoraTrainConfig(updates=args.updates, examples_per_update=4, lr=args.lr, top_r=args.top_r,
+                              replay=replay, seed=args.seed, nb=nb),
         storage=os.path.join(args.work, "ray_train"), name=name, output=os.path.join(args.work, name),
         num_workers=args.workers, checkpoint_every=args.checkpoint_every, torch_threads=1, max_failures=1)
     t0 = time.perf_counter()
@@ -60,7 +61,7 @@ def evaluate(args, model_dir, adapters: dict) -> dict:
     from nbcore import ReadConfig, answer, ingest
     from nbcore.lora import load_adapter
     from nbcore.tasks import ruler
-    from pipeline.worker import build_backbone
+    from nbcore.backbones.loading import build_backbone
     torch.set_num_threads(args.eval_threads)
     spec = {"path": model_dir, "device": "cpu"}
     frozen = build_backbone(spec)
@@ -178,8 +179,8 @@ def main(argv=None):
     res["model_meta"] = {k: meta.get(k) for k in ("model", "steps", "tokens", "wall_s", "params")}
     adapters = {"nb_lora": os.path.join(args.work, "nb-lora"), "plain_lora": os.path.join(args.work, "plain-lora")}
     if not args.skip_train:
-        from pipeline.pool import init_ray
-        from pipeline.config import RaySpec
+        from notebank.pipeline.pool import init_ray
+        from notebank.pipeline.config import RaySpec
         init_ray(RaySpec(num_cpus=args.workers))
         for name, replay in (("nb-lora", True), ("plain-lora", False)):
             shutil.rmtree(os.path.join(args.work, "ray_train", name), ignore_errors=True)

@@ -19,12 +19,12 @@ import torch  # noqa: E402
 
 from bench.common import add_dev_draw_args, write_dev_draw  # noqa: E402
 from nbcore.config import NoteBankConfig  # noqa: E402
-from nbcore.evals.ruler_eval import coverage  # noqa: E402
+from nbcore.evals.methods import coverage  # noqa: E402
 from nbcore.notebank.routers import RouteQuery, get_router  # noqa: E402
 from nbcore.reader import ingest  # noqa: E402
 from nbcore.tasks import ruler  # noqa: E402
-from pipeline.evaluate import parse_length  # noqa: E402
-from pipeline.worker import build_backbone  # noqa: E402
+from notebank.pipeline.evaluate import parse_length  # noqa: E402
+from nbcore.backbones.loading import build_backbone  # noqa: E402
 
 ROUTERS = ("embmax", "embmax_centered", "bm25")
 

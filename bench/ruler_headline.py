@@ -1,7 +1,7 @@
 """Headline table (six-task means, 0-100) for one backbone from a sweep's summary.json.
 
     python bench/ruler_headline.py bench/results/ruler/summary.json tiny-gdn-v5
-    python bench/ruler_headline.py bench/results/ruler/summary.json tiny-gdn-v2 --methods plain nb-tf-top2
+    python bench/ruler_headline.py bench/results/ruler/summary.json tiny-gdn --methods plain nb-tf-top2
 
 summary.json maps "<backbone>/<method>/<length>" to a six-task mean and holds a key only where all
 six tasks were measured, so a "—" here means "not measured at that length", not zero.

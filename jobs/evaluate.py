@@ -1,6 +1,7 @@
 """Evaluation jobs on Ray. `benchmark:` in the YAML picks one (pipeline/benchmarks.py):
 ruler (default): backbones x methods x routers x tasks x lengths x budgets; longbench: LongBench
-v1/v2 and MemoryAgentBench files; mone: the MoNe backend against ICL and RAG.
+v1/v2 and MemoryAgentBench files; mone: the MoNe backend against ICL and RAG. One sweep runner
+(pipeline/evaluate.py) runs them all; the benchmarks are nbcore.evals, the reports pipeline/reporting.
 
     python jobs/evaluate.py -c configs/eval_ruler.yaml                 # full grid (documented, not CI)
     python jobs/evaluate.py -c configs/eval_smoke.yaml                 # CI smoke: 4K/16K, few examples
@@ -14,15 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from notebank.pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
 
 
 def main(argv=None):
     import argparse
 
-    from pipeline.benchmarks import benchmark_name, resolve
-    from pipeline.config import ConfigError, add_config_args
+    from notebank.pipeline.benchmarks import benchmark_name, resolve
+    from notebank.pipeline.config import ConfigError, add_config_args
     # The YAML's `benchmark:` key (ruler | longbench | mone; default ruler) picks the job.
     pre, _ = add_config_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
     try:
@@ -46,3 +48,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def cli() -> int:
+    """Console-script entry (notebank-eval): exit status 0 once the sweep has run."""
+    main()
+    return 0

@@ -17,20 +17,21 @@ import sys
 
 import os
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import run_job  # noqa: E402
+if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from notebank.pipeline.cli import run_job  # noqa: E402
 
 
 def run(cfg) -> dict:
-    from pipeline.query import run_query
+    from notebank.pipeline.query import run_query
     return run_query(cfg)
 
 
 def main(argv=None) -> int:
-    from pipeline.config import QueryJobConfig
-    from pipeline.archive import FingerprintMismatch, LayoutError
-    from pipeline.safety import OutputBusy, UnsafePath
-    from pipeline.config import ConfigError
+    from notebank.pipeline.config import QueryJobConfig
+    from notebank.pipeline.archive import FingerprintMismatch, LayoutError
+    from notebank.pipeline.safety import OutputBusy, UnsafePath
+    from notebank.pipeline.config import ConfigError
     USER_ERRORS = (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
     return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS)
 

@@ -16,8 +16,9 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import run_job  # noqa: E402
+if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from notebank.pipeline.cli import run_job  # noqa: E402
 
 
 def make_inputs(cfg, workdir: str) -> tuple[str, str]:
@@ -39,7 +40,7 @@ def make_inputs(cfg, workdir: str) -> tuple[str, str]:
 
 def _ruler_inputs(cfg, corpus: str, questions: str) -> tuple[str, str]:
     """RULER examples sized in the model's own tokens: context -> corpus row, question -> query row."""
-    from pipeline.worker import build_tokenizer
+    from nbcore.backbones.loading import build_tokenizer
     from nbcore.tasks import ruler
     tok = build_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
     if tok is None:
@@ -59,9 +60,9 @@ def _ruler_inputs(cfg, corpus: str, questions: str) -> tuple[str, str]:
 
 
 def run(cfg) -> dict:
-    from pipeline.config import IngestJobConfig, QueryJobConfig
-    from pipeline.ingest import run_ingest
-    from pipeline.query import run_query
+    from notebank.pipeline.config import IngestJobConfig, QueryJobConfig
+    from notebank.pipeline.ingest import run_ingest
+    from notebank.pipeline.query import run_query
     if cfg.model.path and "://" not in cfg.model.path and os.path.isdir(cfg.model.path):
         cfg.model.path = os.path.abspath(cfg.model.path)        # actors may not share our cwd
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="notebank-demo-")
@@ -80,7 +81,7 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from pipeline.config import DemoConfig
+    from notebank.pipeline.config import DemoConfig
     return run_job(DemoConfig, __doc__.splitlines()[0], run, argv, errors=())
 
 

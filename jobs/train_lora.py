@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (ray job submit)
-from pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from notebank.pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from pipeline.train_lora import TrainLoraJobConfig, run_train
+    from notebank.pipeline.train_lora import TrainLoraJobConfig, run_train
     cfg = parse(TrainLoraJobConfig, __doc__.splitlines()[0], argv)
     started = setup(cfg)
     try:

@@ -16,11 +16,14 @@ Public surface (what pipeline/ and jobs/ use):
     from nbcore import get_backend                     # one interface for both memories (nbcore.memory)
     backend = get_backend("notebank", bb=bb, nb_cfg=NoteBankConfig(), block_size=8192)
     mem = backend.ingest("doc", text); files = backend.to_files(mem); row = backend.answer(mem, q, {})
+
+    arc = open_archive("out/archive", model="models/tiny-gdn")   # an ingest job's output, in a notebook
+    arc.documents(); arc.notes("doc-0"); arc.ask("doc-0", "What is ...?").answer
 """
 from nbcore.config import NoteBankConfig, ReadConfig
 from nbcore.notebank.archive import Archive
 
-__all__ = ["NoteBankConfig", "ReadConfig", "Archive", "load_backbone", "ingest", "append", "answer"]
+__all__ = ["NoteBankConfig", "ReadConfig", "Archive", "load_backbone", "ingest", "append", "answer", "open_archive"]
 
 # one memory-backend interface for the pipeline's worker (nbcore/memory.py)
 _MEMORY_NAMES = ("MemoryBackend", "Memory", "MemoryFiles", "MemoryMismatch", "NoteBankBackend", "MoneBackend",
@@ -39,6 +42,11 @@ def __getattr__(name):
     if name in _MEMORY_NAMES:
         from nbcore import memory
         return getattr(memory, name)
+    if name == "open_archive":
+        # An ingest output in a notebook (reads the pipeline's on-disk layout; no Ray). The one
+        # nbcore name that reaches into pipeline/, lazily, so `import nbcore` stays pure PyTorch.
+        from notebank.pipeline.notebook import open_archive
+        return open_archive
     if name == "WriterCarry":
         from nbcore.notebank.write import WriterCarry
         return WriterCarry

@@ -21,7 +21,7 @@ class NoteBankConfig:
     tail: int = 32               # tokens of the previous chunk added to the candidate region
     addr_dim: int = 16           # d_rho: coordinates kept per channel address
     seed: int = 0                # seed of the fixed coordinate selection P
-    # Addressing variants beyond the paper (issue 9); the defaults are the paper's rule.
+    # Addressing variants beyond the paper; the defaults are the paper's rule.
     addr_positions: int = 1      # m: representative positions per channel (paper: 1)
     addr_select: str = "key"     # key (paper Eq. 4) | key_qnovel (x novelty of the query vs the doc's mean query)
 
@@ -59,13 +59,17 @@ class ReadConfig:
     top_r: int = 2               # R: notes replayed
     router: str = "native"       # native (paper Eq. 5) or another registered router
     lam: float | None = None     # state rescale before replay/question (App. C.3); None = untouched
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32     # generated answer tokens at most
     stop: tuple[str, ...] = ()   # stop strings (generation ends when one appears)
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True     # generation ends at the tokenizer's EOS
 
     def validate(self) -> "ReadConfig":
         if self.method not in METHODS:
             raise ValueError(f"ReadConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "notebank":
+            from nbcore.notebank.routers import ROUTERS      # registered by name (lazy: torch)
+            if self.router not in ROUTERS:
+                raise ValueError(f"ReadConfig.router: unknown router {self.router!r}; registered: {sorted(ROUTERS)}")
         if not isinstance(self.top_r, int) or self.top_r <= 0:
             raise ValueError(f"ReadConfig.top_r must be a positive int, got {self.top_r!r}")
         if self.lam is not None and not (0.0 <= float(self.lam) <= 1.0):

@@ -1,5 +1,9 @@
 """Analytical FLOPs (paper App. C.6, Eqs. 11-16) and persistent storage (App. C.7, Eqs. 17-21).
 
+The RULER report puts these beside the measured times and archive sizes (pipeline/reporting/cost.py:
+``shapes_from_hf_config`` of each backbone, then ``plain_flops``/``added_flops``/``archive_bytes``/
+``notebank_storage`` terms on the counts every example records).
+
 Everything here is a pure function of *shapes* and recorded *counts*; nothing runs a model and
 nothing imports torch, transformers or ray at import time (transformers configs are duck-typed).
 

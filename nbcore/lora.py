@@ -78,10 +78,10 @@ _RELATIVE = {"gdn": ((11, 15, 18, 22), 24), "mamba2": ((23, 31, 37, 45), 48)}
 class LoraSpec:
     """Adapter hyper-parameters (App. C.4 defaults). layers: model layer indices (None = default rule)."""
 
-    r: int = 8
-    alpha: float = 16.0
-    layers: list[int] | None = None
-    dropout: float = 0.0
+    r: int = 8                         # adapter rank
+    alpha: float = 16.0                # scaling alpha (delta = alpha / r * B A)
+    layers: list[int] | None = None    # layer indices; None: the paper's layers, all layers if <= 4
+    dropout: float = 0.0               # dropout on the adapter input
 
     def validate(self) -> "LoraSpec":
         if not isinstance(self.r, int) or self.r <= 0:

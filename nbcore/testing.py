@@ -41,7 +41,7 @@ def byte_tokenizer():
 def tiny_gdn_config(vocab_size: int = 262, hybrid: bool = False, layers: int = 2, hidden: int = 64,
                     key_heads: int = 2, value_heads: int = 4, head_dim: int = 16, conv: int = 4):
     """transformers Qwen3.5 text config: all `linear_attention` (pure GDN) or 3:1 GDN/attention;
-    ``conv`` = short-conv kernel size (models/tiny-gdn-v3 uses 8; the tests also run 10)."""
+    ``conv`` = short-conv kernel size (models/tiny-gdn-v5 uses 8; the tests also run 10)."""
     from transformers import Qwen3_5TextConfig
     if hybrid:
         layers = max(layers, 4)

@@ -30,9 +30,9 @@ import torch
 
 from nbcore.config import NoteBankConfig
 from nbcore.memory import MemoryFiles
-from pipeline.archive import Archive, ArchiveError, FingerprintMismatch
-from schemas import archive as S
-from schemas._base import SchemaError
+from notebank.pipeline.archive import Archive, ArchiveError, FingerprintMismatch
+from notebank.schemas import archive as S
+from notebank.schemas._base import SchemaError
 
 RECORD_COLUMNS = ("doc_id", "group", "status", "error", "n_tokens", "n_notes", "bytes", "source_shard",
                   "source_row", "generation", "pid")
@@ -52,7 +52,7 @@ def build_memory(model: dict, memory: str = "notebank", nb: dict | None = None, 
     (pipeline.worker.build_backbone); MoNe: ``MoneBackend.load(model.path, mone_adapters, tokenizer)``
     (the tokenizer of model.tokenizer, else the checkpoint's own)."""
     from nbcore.memory import get_backend
-    from pipeline.worker import build_backbone, build_tokenizer, tokenizer_fingerprint
+    from nbcore.backbones.loading import build_backbone, build_tokenizer, tokenizer_fingerprint
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
     if memory == "mone":
@@ -253,7 +253,7 @@ class QueryActor(_Memory):
 
     @torch.no_grad()
     def answer_document(self, questions: list[dict]) -> dict:
-        from pipeline.query import answer_rows_table
+        from notebank.pipeline.query import answer_rows_table
         doc_id = questions[0]["doc_id"]
         info = self.docs.get(doc_id)
         t0 = time.perf_counter()
@@ -287,17 +287,17 @@ class QueryActor(_Memory):
                     continue
                 out_rows.append({**base, **self._answer(mem, q, read)})
         key = hashlib.sha1(json.dumps(sorted((r["question_id"], r["method"]) for r in out_rows)).encode()).hexdigest()[:16]
-        from pipeline.store import doc_key
+        from notebank.pipeline.store import doc_key
         dk = doc_key(doc_id)[0] or hashlib.sha1(doc_id.encode()).hexdigest()[:16]
         table = answer_rows_table(out_rows)
-        from schemas._base import table_to_parquet_bytes
+        from notebank.schemas._base import table_to_parquet_bytes
         self.out.atomic_write(f"part-{dk}-{key}.parquet", table_to_parquet_bytes(table))
         return {"question_id": [r["question_id"] for r in out_rows], "method": [r["method"] for r in out_rows],
                 "status": [r["status"] for r in out_rows], "error": [r.get("error") for r in out_rows],
                 "score": [r.get("score") for r in out_rows]}
 
     def _answer(self, mem, q: dict, read: dict) -> dict:
-        from pipeline.query import score_fn
+        from notebank.pipeline.query import score_fn
         t0 = time.perf_counter()
         refs = json.loads(q["answers"])
         try:
@@ -311,8 +311,8 @@ class QueryActor(_Memory):
 
 def read_corpus_text(at: dict) -> str:
     """One-pass mode: the text of one corpus row, read from its shard at the scan's seek point."""
-    from pipeline.corpus import iter_shard
-    from schemas.inputs import check_corpus_row
+    from notebank.pipeline.corpus import iter_shard
+    from notebank.schemas.inputs import check_corpus_row
     for i, raw, err, _ in iter_shard(at["shard"], at["seek"]):
         if i == at["row"]:
             _doc_id, text, _meta, err = check_corpus_row(raw) if raw is not None else (None, None, {}, err)

@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from schemas import archive as S
-from schemas._base import SchemaError
-from schemas.manifest import fingerprint_diff, parse_run_record, run_record
+from notebank.schemas import archive as S
+from notebank.schemas._base import SchemaError
+from notebank.schemas.manifest import fingerprint_diff, parse_run_record, run_record
 
 TMP_MARK = ".tmp-"
 REL_RUN = "manifest/_run.json"

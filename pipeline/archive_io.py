@@ -11,10 +11,10 @@ import torch
 
 from nbcore.config import NoteBankConfig
 from nbcore.notebank.archive import Archive
-from schemas import notes as notes_schema
-from schemas._base import SchemaError, parquet_bytes_to_table, table_to_parquet_bytes
-from pipeline.archive import _safetensors_metadata
-from pipeline.store import ArchiveError, FingerprintMismatch
+from notebank.schemas import notes as notes_schema
+from notebank.schemas._base import SchemaError, parquet_bytes_to_table, table_to_parquet_bytes
+from notebank.pipeline.archive import _safetensors_metadata
+from notebank.pipeline.store import ArchiveError, FingerprintMismatch
 
 STATE_FORMAT = "notebank.state"
 STATE_VERSION = 1

@@ -10,22 +10,27 @@ import sys
 def parse(cls, description: str, argv=None):
     import yaml
 
-    from pipeline.config import ConfigError, add_config_args, load_config, to_dict
-    p = add_config_args(argparse.ArgumentParser(description=description))
+    from notebank.pipeline.config import ConfigError, add_config_args, keys_help, load_config, to_dict
+    p = add_config_args(argparse.ArgumentParser(description=description, epilog=keys_help(cls),
+                                                formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
     try:
         cfg = load_config(cls, args.config, args.set)
+        if args.print_config:
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            raise SystemExit(0)
+        # Inputs that must exist (corpus, questions, archive, model dir) are checked here, before
+        # Ray starts or a model loads, so a typo costs a second, not a cluster start.
+        if hasattr(cfg, "preflight"):
+            cfg.preflight()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    if args.print_config:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        raise SystemExit(0)
     return cfg
 
 
 def setup(cfg):
-    from pipeline.pool import init_ray
+    from notebank.pipeline.pool import init_ray
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return init_ray(cfg.ray)
 

@@ -7,6 +7,7 @@ Override values are parsed as YAML scalars/flow collections: `--set read.top_r=4
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -49,14 +50,30 @@ class ModelSpec:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{where}.device must be auto, cpu or cuda, got {self.device!r}")
 
+    def preflight(self, where="model"):
+        """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
+        if self.path is not None:
+            import os
+            if not os.path.isdir(self.path):
+                raise ConfigError(f"{where}.path: no checkpoint directory {self.path!r}")
+            if not os.path.isfile(os.path.join(self.path, "config.json")):
+                raise ConfigError(f"{where}.path: {self.path!r} has no config.json (not a transformers checkpoint)")
+        if self.tokenizer not in (None, "byte", "project"):
+            import os
+            if not os.path.isdir(self.tokenizer) and not os.path.isfile(self.tokenizer):
+                raise ConfigError(f"{where}.tokenizer: no tokenizer at {self.tokenizer!r} (a directory, 'byte' or "
+                                  f"'project')")
+        if self.adapter is not None:
+            require_input(self.adapter, f"{where}.adapter", "adapter folder")
+
 
 @dataclass
 class ActorSpec:
     """Actor pool shape and fault tolerance."""
 
-    num_actors: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    num_actors: int = 1                  # model-holding actors (one backbone each; one per GPU on a cluster)
+    num_cpus: float = 1.0                # CPUs reserved per actor
+    num_gpus: float = 0.0                # GPUs per actor (1 on a GPU cluster)
     accelerator_type: str | None = None  # e.g. H100, H200 (Ray accelerator type)
     torch_threads: int = 0               # 0: max(1, int(num_cpus))
     max_restarts: int = 3                # actor restarts after its process dies
@@ -73,11 +90,38 @@ class ActorSpec:
             raise ConfigError(f"{where}.max_in_flight must be >= 1")
 
 
+def require_input(url: str, key: str, what: str) -> None:
+    """`url` (local path or fsspec URL) exists, else a ConfigError naming the key."""
+    import fsspec
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        ok = bool(fs.glob(path)) if any(c in path for c in "*?[") else fs.exists(path)
+    except (ImportError, ValueError) as e:                 # unknown protocol, missing s3fs, ...
+        raise ConfigError(f"{key}: cannot open {url!r}: {e}") from e
+    if not ok:
+        raise ConfigError(f"{key}: {what} {url!r} does not exist")
+
+
+def require_shards(url: str, key: str) -> None:
+    """`url` names at least one .jsonl/.parquet shard (a file, a folder or a glob)."""
+    from notebank.pipeline.corpus import list_shards
+    try:
+        list_shards(url)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+def require_archive(url: str, key: str = "archive") -> None:
+    """`url` is an ingest output folder (it has manifest/_run.json)."""
+    require_input(url, key, "archive folder")
+    require_input(url.rstrip("/") + "/manifest/_run.json", key, "ingest run record (is it an ingest output?)")
+
+
 @dataclass
 class RaySpec:
     address: str | None = None   # None: $RAY_ADDRESS if set (ray job submit sets it), else a new local Ray
     num_cpus: int | None = None  # only for a new local Ray
-    namespace: str | None = None
+    namespace: str | None = None  # Ray namespace (None: anonymous)
 
 
 @dataclass
@@ -88,7 +132,7 @@ class BenchmarkJobConfig:
     benchmark: str = ""                             # picks the job's config in jobs/evaluate.py
     output: str = ""
     report_title: str = ""
-    progress: bool = True
+    progress: bool = True                 # progress bars (stderr)
     ray: RaySpec = field(default_factory=RaySpec)
 
     def check_benchmark(self, name: str) -> None:
@@ -111,8 +155,8 @@ class IngestJobConfig:
     actors: ActorSpec = field(default_factory=ActorSpec)
     ray: RaySpec = field(default_factory=RaySpec)
     limit: int | None = None               # ingest at most this many corpus rows
-    progress: bool = True
-    memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state, issue 7)
+    progress: bool = True                 # progress bars (stderr)
+    memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state)
     mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
     append: bool = False                   # mone: the old name of mode: append (sets it)
     mode: str = "ingest"                   # ingest | append (rows carry an archived doc_id and the text to
@@ -151,6 +195,13 @@ class IngestJobConfig:
             raise ConfigError(str(e)) from e
         return self
 
+    def preflight(self):
+        """Inputs exist: the corpus has shards, the checkpoint is there (no Ray, no model load)."""
+        require_shards(self.corpus, "corpus")
+        self.model.preflight()
+        if self.mone_adapters:
+            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
+
 
 @dataclass
 class QueryJobConfig:
@@ -164,12 +215,12 @@ class QueryJobConfig:
     notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # one-pass mode: the writer config
     block_size: int = 8192                # one-pass mode: tokens per forward block
     model: ModelSpec = field(default_factory=ModelSpec)
-    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
+    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])  # ReadConfig methods
     read: ReadConfig = field(default_factory=ReadConfig)   # shared settings; `method` is set per method
     actors: ActorSpec = field(default_factory=ActorSpec)
     ray: RaySpec = field(default_factory=RaySpec)
-    progress: bool = True
-    memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state, issue 7)
+    progress: bool = True                 # progress bars (stderr)
+    memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state)
     mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
 
     @property
@@ -205,6 +256,17 @@ class QueryJobConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from e
         return self
+
+    def preflight(self):
+        """Inputs exist: questions, the archive (or the one-pass corpus) and the checkpoint."""
+        require_shards(self.questions, "questions")
+        if self.onepass:
+            require_shards(self.corpus, "corpus")
+        else:
+            require_archive(self.archive)
+        self.model.preflight()
+        if self.mone_adapters:
+            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
 
     def read_configs(self) -> list[ReadConfig]:
         return [dataclasses.replace(self.read, method=m) for m in self.methods]
@@ -246,20 +308,20 @@ class DemoConfig:
     """jobs/run_demo.py: generated corpus -> ingest -> batch QA, all on embedded defaults."""
 
     workdir: str | None = None            # default: a fresh temporary folder
-    n_docs: int = 4
+    n_docs: int = 4                        # generated documents
     doc_tokens: int = 8192                 # document length: RULER tokens of the model (task set), else characters
     questions_per_doc: int = 2             # needle-text mode only (a RULER example has its own question)
-    seed: int = 0
+    seed: int = 0                          # corpus generation seed
     task: str | None = "niah_single_1"     # RULER task generating the corpus (needs the model's tokenizer);
                                            # null: planted-needle noise text (any tokenizer, e.g. byte)
     model: ModelSpec = field(default_factory=lambda: ModelSpec(path="models/tiny-gdn", device="cpu"))
-    block_size: int = 8192
+    block_size: int = 8192                 # tokens per forward block
     notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
-    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])
+    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])  # ReadConfig methods
     read: ReadConfig = field(default_factory=lambda: ReadConfig(max_new_tokens=12, top_r=2))
     actors: ActorSpec = field(default_factory=ActorSpec)
     ray: RaySpec = field(default_factory=RaySpec)
-    progress: bool = True
+    progress: bool = True                 # progress bars (stderr)
 
     def validate(self):
         if self.n_docs < 1 or self.doc_tokens < 1 or self.questions_per_doc < 1:
@@ -449,6 +511,71 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
         except ValueError as e:
             raise ConfigError(str(e)) from e
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# --help: every key with its default and the one-line doc written beside its field
+# ---------------------------------------------------------------------------------------------
+_FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s?(.*))?$")
+_COMMENT_LINE = re.compile(r"^\s+#\s?(.*)$")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: its trailing `# comment`} from the dataclass source (comment lines right under
+    a field continue its doc). The comment beside a field is the one place a key is documented."""
+    import inspect
+    docs: dict[str, str] = {}
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return docs
+    names = {f.name for f in dataclasses.fields(cls)}
+    last = None
+    for line in lines[1:]:
+        m = _FIELD_LINE.match(line)
+        if m and m.group(1) in names and not line.lstrip().startswith(("def ", "@")):
+            last = m.group(1)
+            docs[last] = (m.group(2) or "").strip()
+            continue
+        c = _COMMENT_LINE.match(line)
+        if c and last is not None and line.index("#") > 8:      # an indented continuation of the doc
+            docs[last] = (docs[last] + " " + c.group(1).strip()).strip()
+            continue
+        last = None
+    return docs
+
+
+def config_keys(cls, prefix: str = "", default=None) -> list[tuple[str, str, str, str]]:
+    """[(dotted key, type, default as YAML, doc)] for every leaf key of dataclass `cls`, nested
+    dataclasses flattened (`notebank.chunk_size`)."""
+    obj = default if default is not None else cls()
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        val = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(val):
+            out += config_keys(type(val), key + ".", val)
+            continue
+        shown = yaml.safe_dump(_plain(val), default_flow_style=True, width=10_000).strip()
+        shown = shown.removesuffix("\n...").removesuffix("...").strip() or "''"
+        out.append((key, _type_name(hints.get(f.name, Any)), shown, docs.get(f.name, "")))
+    return out
+
+
+def keys_help(cls) -> str:
+    """The `--help` epilog: one line per key, `key = default  (type)  doc`."""
+    rows = config_keys(cls)
+    width = min(44, max(len(f"{k} = {d}") for k, _, d, _ in rows) + 2)
+    lines = [f"config keys of {cls.__name__} (YAML file and/or --set KEY=VALUE; unknown keys are errors):"]
+    for key, tp, dflt, doc in rows:
+        head = f"{key} = {dflt}"
+        pad = " " * max(1, width - len(head))
+        lines.append(f"  {head}{pad}[{tp}] {doc}".rstrip())
+    return "\n".join(lines)
 
 
 def add_config_args(parser):

@@ -14,7 +14,7 @@ from typing import Iterator
 import fsspec
 import pyarrow.parquet as pq
 
-from schemas.inputs import check_corpus_row, check_question_row
+from notebank.schemas.inputs import check_corpus_row, check_question_row
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 

@@ -16,12 +16,12 @@ from collections import defaultdict
 
 import fsspec
 
-from pipeline.archive import Archive, ArchiveError, FingerprintMismatch, fingerprint_digest
-from pipeline.archive_io import run_fingerprint
-from pipeline.config import ConfigError
-from pipeline.corpus import list_shards, shard_slug
-from pipeline.store import doc_key
-from schemas import archive as S
+from notebank.pipeline.archive import Archive, ArchiveError, FingerprintMismatch, fingerprint_digest
+from notebank.pipeline.archive_io import run_fingerprint
+from notebank.pipeline.config import ConfigError
+from notebank.pipeline.corpus import list_shards, shard_slug
+from notebank.pipeline.store import doc_key
+from notebank.schemas import archive as S
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: st
     import ray
 
     def _probe(model):
-        from pipeline.actors import build_memory, memory_info
+        from notebank.pipeline.actors import build_memory, memory_info
         try:
             backend, tok_fp = build_memory(model, memory, nb, mone_adapters=mone_adapters, torch_threads=1)
         except Exception as e:   # noqa: BLE001 - reported to the user as one line
@@ -253,7 +253,7 @@ def plan_groups(scans: list[dict], committed_groups: dict, committed: dict, cfg)
 def ingest_dataset(cfg, on_commit=None) -> dict:
     import ray
 
-    from pipeline.safety import acquire_lease, check_no_escape
+    from notebank.pipeline.safety import acquire_lease, check_no_escape
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
     fs, shard_paths = list_shards(cfg.corpus)                  # a bad corpus path fails here, first
@@ -301,7 +301,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
             ds = ds.flat_map(_read_groups, num_cpus=0, concurrency=4)
             # Ray Data restarts dead actors and retries their batches without limit (its defaults)
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
-            from pipeline.actors import IngestActor
+            from notebank.pipeline.actors import IngestActor
             ds = ds.map_batches(
                 IngestActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors), num_cpus=cfg.actors.num_cpus,
                 num_gpus=cfg.actors.num_gpus or None,
@@ -345,12 +345,12 @@ def _tally(stats: dict, failures: list, rec: dict) -> None:
 
 
 def _scan_corpus(item):
-    from pipeline.corpus import scan_corpus_shard
+    from notebank.pipeline.corpus import scan_corpus_shard
     return scan_corpus_shard(item)
 
 
 def _read_groups(item):
-    from pipeline.corpus import read_corpus_group
+    from notebank.pipeline.corpus import read_corpus_group
     return read_corpus_group(item)
 
 
@@ -426,9 +426,9 @@ def plan_questions(scans: list[dict], done: set, committed: dict, methods: list[
 def query_dataset(cfg) -> dict:
     import ray
 
-    from pipeline.actors import QueryActor
-    from pipeline.query import rc_json, write_rejected
-    from pipeline.safety import acquire_lease, check_no_escape, check_query_output
+    from notebank.pipeline.actors import QueryActor
+    from notebank.pipeline.query import rc_json, write_rejected
+    from notebank.pipeline.safety import acquire_lease, check_no_escape, check_query_output
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
     check_no_escape(cfg.output, ["_lease.json"])
@@ -554,10 +554,10 @@ def _rc_fields(rc) -> dict:
 
 
 def _scan_questions(item):
-    from pipeline.corpus import scan_question_shard
+    from notebank.pipeline.corpus import scan_question_shard
     return scan_question_shard(item)
 
 
 def _read_questions(item):
-    from pipeline.corpus import read_question_rows
+    from notebank.pipeline.corpus import read_question_rows
     return read_question_rows(item)

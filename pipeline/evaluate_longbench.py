@@ -1,9 +1,10 @@
-"""LongBench v1, LongBench v2 and MemoryAgentBench on Ray (`benchmark: longbench` in jobs/evaluate.py).
+"""LongBench v1, LongBench v2 and MemoryAgentBench files (`benchmark: longbench` in jobs/evaluate.py).
 
-One Ray task per (backbone, example): the example's context is ingested ONCE (one ingest per
-distinct writer config) and every method answers from its own copy of the state S_T. A
-MemoryAgentBench cell is one context with all of its questions: ingested once, every question
-answered from a fresh copy; rows record the ingest time amortised over the questions.
+The job's YAML -> cells, one per (backbone, example) of the nbcore benchmarks `longbench`,
+`longbench_v2` and `memoryagentbench` (nbcore/evals/longbench.py, memoryagentbench.py: prompts,
+truncation, fit filter, official metrics). Run by the sweep runner (pipeline/evaluate.py): each
+example's context is ingested ONCE and every method answers from its own copy of the state S_T; a
+MemoryAgentBench cell is one context with all of its questions. Reported by pipeline/reporting/longbench.py.
 
 Prompts (paper App. C.2): the native prompt is cut right after the context; the head
 (instruction + context) is ingested, the rest (question, choices, answer cue) is the question.
@@ -14,30 +15,20 @@ Prompts (paper App. C.2): the native prompt is cut right after the context; the 
        `longbench_v2.position_budget` (counted with the backbone's tokenizer on the driver).
   MAB  the context is ingested as is; each question is the official long-context-agent query.
 
-Resumable like pipeline/evaluate.py: each finished cell is one Parquet file (tmp name, then
-renamed); a rerun skips cells whose file exists.
-
 Layout under `output`:
   cells/<backbone>/<suite>/<dataset>/<index>.parquet   per-example rows (one per method and question)
-  results.parquet, summary.json, report.md, *.png       written by nbcore.evals.report_longbench
+  results.parquet, summary.json, report.md, *.png       written by pipeline/reporting/longbench.py
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import re
-import time
 from dataclasses import dataclass, field
 
-import fsspec
-
-from nbcore.config import NoteBankConfig
 from nbcore.evals import longbench as lb
 from nbcore.evals import memoryagentbench as mab
-from pipeline.config import ConfigError
-from pipeline.evaluate import BackboneEntry, BackboneSweepConfig
-from pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
+from nbcore.evals.methods import replay_reserve
+from notebank.pipeline.config import ConfigError
+from notebank.pipeline.evaluate import BackboneEntry, BackboneSweepConfig, cell_path, make_cell
 
 SUITES = ("longbench", "longbench_v2", "memoryagentbench")
 
@@ -97,7 +88,6 @@ class LongBenchJobConfig(BackboneSweepConfig):
 
     def validate(self):
         """Structure only (no file access: --print-config works anywhere); sources are checked at run time."""
-        from nbcore.evals.ruler_eval import method_config
         self.check_benchmark("longbench")
         self.check_backbones()
         for b in self.backbones:
@@ -107,11 +97,7 @@ class LongBenchJobConfig(BackboneSweepConfig):
                 raise ConfigError(f"backbones[{b.name}].notebank: {e}") from e
         if not self.methods:
             raise ConfigError("methods must not be empty")
-        for m in self.methods + [m for b in self.backbones for m in backbone_methods(b, [])]:
-            try:
-                method_config(m)
-            except ValueError as e:
-                raise ConfigError(f"methods: {e}") from e
+        self.check_methods(self.methods + [m for b in self.backbones for m in self.methods_of(b)])
         if not any(getattr(self, s).source for s in SUITES):
             raise ConfigError("set at least one of longbench.source, longbench_v2.source, memoryagentbench.source")
         v1, v2, mb = self.longbench, self.longbench_v2, self.memoryagentbench
@@ -145,19 +131,94 @@ class LongBenchJobConfig(BackboneSweepConfig):
             raise ConfigError("max_new_tokens_cap must be >= 1 or null")
         return self
 
+    def methods_of(self, b: BackboneEntry) -> list[str]:
+        """The entry's own `methods` when it sets some (e.g. an NB-LoRA adapter entry), else the job's."""
+        return list(b.methods or self.methods)
 
-# ---------------------------------------------------------------------------------------------
-# Pure helpers
-# ---------------------------------------------------------------------------------------------
-def backbone_methods(b: BackboneEntry, default: list[str]) -> list[str]:
-    """The entry's own `methods` when it sets some (e.g. an NB-LoRA adapter entry), else `default`."""
-    return list(getattr(b, "methods", None) or default)
+    # --- the nbcore benchmarks of the three suites -------------------------------------------
+    def v1(self) -> lb.LongBench:
+        s = self.longbench
+        return lb.LongBench(source=s.source, datasets=list(s.datasets), n_examples=s.n_examples,
+                            max_length=s.max_length, seed=self.seed, max_new_tokens_cap=self.max_new_tokens_cap)
 
+    def v2(self, reserve: int = 0) -> lb.LongBenchV2:
+        s = self.longbench_v2
+        return lb.LongBenchV2(source=s.source, paper_subset=s.paper_subset, n_examples=s.n_examples,
+                              position_budget=s.position_budget, replay_reserve=reserve,
+                              max_new_tokens=s.max_new_tokens, chat_template=s.chat_template, seed=self.seed,
+                              max_new_tokens_cap=self.max_new_tokens_cap)
 
-def report_labels(b: BackboneEntry) -> tuple[str, dict]:
-    """(backbone label, method renames) for results rows: `report_as` (default: name) and
-    `method_names` (e.g. an adapter entry reporting nb-tf-top2 as nb-lora-top2 under tiny-gdn)."""
-    return (getattr(b, "report_as", "") or b.name), dict(getattr(b, "method_names", None) or {})
+    def mab(self) -> mab.MemoryAgentBench:
+        s = self.memoryagentbench
+        return mab.MemoryAgentBench(source=s.source, configs=list(s.configs), max_samples=s.max_samples,
+                                    max_questions=s.max_questions, max_new_tokens_cap=self.max_new_tokens_cap)
+
+    # --- the runner's hooks ------------------------------------------------------------------
+    def plan(self) -> tuple[list[dict], dict]:
+        """-> (cells, notes). Every cell carries its example's text, so workers need no data access.
+        notes: per backbone, how many v2 examples the fit filter kept."""
+        suites = []
+        if self.longbench.source:
+            bench = self.v1()
+            suites.append((bench, _load("longbench.source", lambda: list(bench.examples()))))
+        v2_rows = _load("longbench_v2.source", self.v2().candidates) if self.longbench_v2.source else None
+        if self.memoryagentbench.source:
+            bench = self.mab()
+            suites.append((bench, _load("memoryagentbench.source", lambda: list(bench.examples()))))
+        cells, notes = [], {}
+        for b in self.backbones:
+            nb, model = b.notebank.validate(), b.model_dict()
+            methods = self.methods_of(b)
+            per = list(suites)
+            if v2_rows is not None:
+                tok = driver_tokenizer(model)
+                if tok is None:
+                    raise ConfigError(f"backbones[{b.name}]: LongBench v2 needs a tokenizer to count prompt tokens "
+                                      "(set model.tokenizer)")
+                spec = self.longbench_v2
+                bench = self.v2(spec.replay_reserve if spec.replay_reserve is not None else replay_reserve(methods, nb))
+                items, notes[f"{b.name}/longbench_v2"] = bench.select(tok, v2_rows)
+                per.insert(1 if self.longbench.source else 0, (bench, items))
+            for bench, items in per:
+                for item in items:
+                    dataset = item.get("dataset", bench.name)
+                    cells.append(make_cell(
+                        bench, item, cell_path(self.output, b.name, bench.name, safe_name(dataset), item["index"]),
+                        model=model, methods=methods, notebank=nb.to_dict(), block_size=self.block_size,
+                        threads=self.num_cpus_per_cell, labels={"backbone": b.label, "entry": b.name},
+                        method_names=b.method_names, entry=b.name))
+        return cells, notes
+
+    def cell_order(self, cell: dict):
+        """Longest cells (characters to read) first."""
+        item = cell["item"]
+        return -len(item.get("context") or item.get("head") or (item.get("example") or {}).get("context", ""))
+
+    def resources(self) -> tuple[float, float]:
+        return self.num_cpus_per_cell, self.num_gpus_per_cell
+
+    def write_report(self, df, cells: list[dict], notes: dict) -> dict:
+        from notebank.pipeline.reporting.longbench import write_report
+        return write_report(df, self.output, self.report_title, meta=self.meta(cells, notes))
+
+    def summary_extra(self, cells: list[dict], notes: dict) -> dict:
+        return {"v2": notes}
+
+    def meta(self, cells: list[dict], notes: dict) -> dict:
+        meta = {"cells": len(cells), "methods": ", ".join(self.methods), "seed": self.seed}
+        if self.longbench.source:
+            meta["LongBench v1"] = (f"{self.longbench.source}: {len(self.longbench.datasets)} subsets, up to "
+                                    f"{self.longbench.n_examples} examples each; middle truncation to "
+                                    f"{self.longbench.max_length or 'never'} tokens")
+        for k, v in notes.items():
+            meta[f"LongBench v2 ({k.split('/')[0]})"] = (
+                f"{v['kept']} of {v['candidates']} candidates fit {v['position_budget']} positions with "
+                f"{v['replay_reserve']} replay tokens reserved ({v['dropped']} dropped, never truncated)")
+        if self.memoryagentbench.source:
+            meta["MemoryAgentBench"] = f"{self.memoryagentbench.source}: {', '.join(self.memoryagentbench.configs)}"
+        if self.max_new_tokens_cap is not None:
+            meta["generation"] = f"capped at {self.max_new_tokens_cap} new tokens (NOT the official budgets)"
+        return meta
 
 
 def safe_name(s: str) -> str:
@@ -165,43 +226,9 @@ def safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", str(s)) or "_"
 
 
-def cell_path(out: str, bb: str, suite: str, dataset: str, index: int) -> str:
-    return f"{out.rstrip('/')}/cells/{bb}/{suite}/{safe_name(dataset)}/{index:04d}.parquet"
-
-
-def capped(n: int, cap: int | None) -> int:
-    """Generation budget: the official `n`, or `cap` when it is smaller."""
-    return n if cap is None else min(n, cap)
-
-
-def replay_reserve(methods: list[str], nb: NoteBankConfig) -> int:
-    """Most replayed tokens any method may add: max over NoteBank methods of top_R x note_budget."""
-    from nbcore.evals.ruler_eval import method_config
-    return max([method_config(m).top_r * nb.note_budget for m in methods
-                if method_config(m).method == "notebank"] or [0])
-
-
-def mab_split(config: str) -> str:
-    """HF split holding a MemoryAgentBench configuration (`metadata.source`)."""
-    if config in mab.PAPER_SOURCES:
-        return mab.PAPER_SOURCES[config]
-    return "Conflict_Resolution" if mab.task_family(config) == "factconsolidation" else "Accurate_Retrieval"
-
-
-def v1_category(dataset: str) -> str:
-    return next(c for c, names in lb.CATEGORIES.items() if dataset in names)
-
-
-def _local_model(model: dict) -> dict:
-    model = dict(model)
-    if model.get("path") and "://" not in model["path"] and os.path.exists(model["path"]):
-        model["path"] = os.path.abspath(model["path"])   # workers may run elsewhere
-    return model
-
-
 def driver_tokenizer(model: dict):
     """The backbone's tokenizer, loaded on the driver (v2 fit filter); None when it has none."""
-    from pipeline.worker import build_tokenizer
+    from nbcore.backbones.loading import build_tokenizer
     if model.get("tokenizer"):
         return build_tokenizer(model["tokenizer"])
     if model.get("path"):
@@ -209,235 +236,9 @@ def driver_tokenizer(model: dict):
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Planning (driver): load the data, pick the examples, one cell per (backbone, example)
-# ---------------------------------------------------------------------------------------------
-def _load(where: str, fn, *args, **kw):
+def _load(where: str, fn):
     """Call a loader; missing files and malformed data become ConfigError naming the suite key."""
     try:
-        return fn(*args, **kw)
+        return fn()
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ConfigError(f"{where}: {e.args[0] if e.args else e}") from e
-
-
-def load_v1(spec: LongBenchV1Spec, seed: int) -> dict[str, list[tuple[int, dict]]]:
-    """-> {dataset: [(file index, example)]}: the seeded subset of each dataset, in file order."""
-    out = {}
-    for ds in spec.datasets:
-        rows = _load("longbench.source", lb.load_longbench, spec.source, ds)
-        out[ds] = lb.select_subset(list(enumerate(rows)), spec.n_examples, seed)
-    return out
-
-
-def load_v2(spec: LongBenchV2Spec) -> list[tuple[int, dict]]:
-    """-> [(file index, example)] of the paper subset (domains) when `paper_subset`, else all."""
-    rows = list(enumerate(_load("longbench_v2.source", lb.load_longbench_v2, spec.source)))
-    if spec.paper_subset:
-        rows = [(i, r) for i, r in rows if lb.select_v2([r])]
-    return rows
-
-
-def fit_v2(rows: list[tuple[int, dict]], tokenizer, spec: LongBenchV2Spec, reserve: int, cap: int | None,
-           seed: int) -> tuple[list[tuple[int, dict, str]], int]:
-    """Keep examples whose whole prompt fits (never truncated) -> ([(index, example, prompt)], n dropped)."""
-    max_new = capped(spec.max_new_tokens, cap)
-    prompts = [lb.chat_prompt(tokenizer, lb.build_prompt_v2(r), spec.chat_template) for _, r in rows]
-    kept = [(i, r, p) for (i, r), p in zip(rows, prompts)
-            if lb.fits_in_budget(len(tokenizer(p)["input_ids"]), position_budget=spec.position_budget,
-                                 replay_reserve=reserve, max_new_tokens=max_new)]
-    dropped = len(rows) - len(kept)
-    if spec.n_examples is not None:
-        kept = lb.select_subset(kept, spec.n_examples, seed)
-    return kept, dropped
-
-
-def load_mab(spec: MemoryAgentBenchSpec) -> dict[str, list[mab.MABSample]]:
-    """-> {config: [samples]} (first `max_samples` contexts of each configuration)."""
-    fs, p = fsspec.core.url_to_fs(spec.source)
-    if not fs.exists(p):
-        raise ConfigError(f"memoryagentbench.source: {spec.source} not found; expected the HF layout "
-                          "(data/{split}-00000-of-00001.parquet) or one parquet/JSON/JSONL file")
-    is_dir = fs.isdir(p)
-    out = {}
-    for c in spec.configs:
-        out[c] = _load("memoryagentbench.source", mab.load_memoryagentbench, spec.source,
-                       split=mab_split(c) if is_dir else None, sources=[c], max_samples=spec.max_samples)
-    return out
-
-
-def plan_cells(cfg: LongBenchJobConfig) -> tuple[list[dict], dict]:
-    """-> (cells, notes). Every cell carries its example's text, so workers need no data access."""
-    cells, notes = [], {}
-    v1 = load_v1(cfg.longbench, cfg.seed) if cfg.longbench.source else {}
-    v2 = load_v2(cfg.longbench_v2) if cfg.longbench_v2.source else []
-    mb = load_mab(cfg.memoryagentbench) if cfg.memoryagentbench.source else {}
-    cap = cfg.max_new_tokens_cap
-    for b in cfg.backbones:
-        model = _local_model(dataclasses.asdict(b.model))
-        nb = b.notebank.validate()
-        label, renames = report_labels(b)
-        methods = backbone_methods(b, cfg.methods)
-        base = dict(entry=b.name, backbone=label, method_names=renames, model=model,
-                    notebank=dataclasses.asdict(nb), methods=methods, block_size=cfg.block_size,
-                    threads=max(1, int(cfg.num_cpus_per_cell)))
-        for ds, rows in v1.items():
-            for i, ex in rows:
-                cells.append(dict(base, suite="longbench", dataset=ds, index=i, id=str(ex.get("_id", i)),
-                                  example=ex, max_length=cfg.longbench.max_length,
-                                  max_new_tokens=capped(lb.max_new_tokens(ds), cap),
-                                  path=cell_path(cfg.output, b.name, "longbench", ds, i)))
-        if v2:
-            tok = driver_tokenizer(model)
-            if tok is None:
-                raise ConfigError(f"backbones[{b.name}]: LongBench v2 needs a tokenizer to count prompt tokens "
-                                  "(set model.tokenizer)")
-            spec = cfg.longbench_v2
-            reserve = spec.replay_reserve if spec.replay_reserve is not None else replay_reserve(methods, nb)
-            kept, dropped = fit_v2(v2, tok, spec, reserve, cap, cfg.seed)
-            notes[f"{b.name}/longbench_v2"] = {"candidates": len(v2), "kept": len(kept), "dropped": dropped,
-                                               "position_budget": spec.position_budget, "replay_reserve": reserve}
-            for i, ex, prompt in kept:
-                head, question = lb.split_at_context(prompt, ex["context"])
-                cells.append(dict(base, suite="longbench_v2", dataset="longbench_v2", index=i, id=str(ex["_id"]),
-                                  head=head, question=question, answer=ex["answer"], domain=ex["domain"],
-                                  max_new_tokens=capped(spec.max_new_tokens, cap),
-                                  path=cell_path(cfg.output, b.name, "longbench_v2", "longbench_v2", i)))
-        for conf, samples in mb.items():
-            for i, s in enumerate(samples):
-                n_q = len(s) if cfg.memoryagentbench.max_questions is None else min(
-                    len(s), cfg.memoryagentbench.max_questions)
-                cells.append(dict(base, suite="memoryagentbench", dataset=conf, index=i, id=f"{conf}-{i}",
-                                  context=s.context, questions=s.questions[:n_q], answers=s.answers[:n_q],
-                                  max_new_tokens=capped(mab.generation_max_length(conf), cap),
-                                  path=cell_path(cfg.output, b.name, "memoryagentbench", conf, i)))
-    return cells, notes
-
-
-# ---------------------------------------------------------------------------------------------
-# One cell (worker): ingest once, answer every question with every method from copies
-# ---------------------------------------------------------------------------------------------
-def answer_all(bb, nb_cfg: NoteBankConfig, head: str, questions: list[str], answers: list[list[str]],
-               methods: list[str], max_new_tokens: int, stop: tuple[str, ...], block_size: int) -> list[dict]:
-    """Ingest `head` once per distinct writer config; answer each question with each method from a
-    copy of S_T. -> rows (question_index, method, prediction, timings, counters), ordered by
-    (question, method). `ingest_s` is the full ingest; `ingest_amortised_s` = ingest_s / #questions."""
-    from nbcore.evals.ruler_eval import method_config, writer_overrides
-    from nbcore.reader import answer, ingest
-    groups: dict[str, list[str]] = {}
-    for name in methods:
-        groups.setdefault(json.dumps(writer_overrides(name), sort_keys=True), []).append(name)
-    rows = []
-    for key, names in groups.items():
-        cfg = NoteBankConfig(**{**nb_cfg.to_dict(), **json.loads(key)}).validate()
-        t0 = time.perf_counter()
-        res = ingest(bb, head, cfg, block_size=block_size)
-        ingest_s = time.perf_counter() - t0
-        for qi, (q, gold) in enumerate(zip(questions, answers)):
-            for name in names:
-                rc = method_config(name, max_new_tokens, stop)
-                t1 = time.perf_counter()
-                ans = answer(bb, res.state, res.archive, q, rc, answers=list(gold), context_ids=res.token_ids)
-                rows.append(dict(question_index=qi, method=name, prediction=ans.text, answers=list(gold),
-                                 ingest_s=ingest_s, ingest_amortised_s=ingest_s / len(questions),
-                                 n_questions=len(questions), answer_s=time.perf_counter() - t1,
-                                 n_tokens=int(res.n_tokens), question_tokens=int(ans.n_question_tokens),
-                                 n_notes=len(res.archive), replay_len=int(ans.replay_len)))
-    order = {n: i for i, n in enumerate(methods)}
-    return sorted(rows, key=lambda r: (r["question_index"], order[r["method"]]))
-
-
-def evaluate_cell(bb, cell: dict) -> list[dict]:
-    """Rows of one cell, scored on 0-100 with the suite's official metric."""
-    nb = NoteBankConfig(**cell["notebank"])
-    common = dict(methods=cell["methods"], max_new_tokens=cell["max_new_tokens"], block_size=cell["block_size"])
-    suite, ds = cell["suite"], cell["dataset"]
-    if suite == "longbench":
-        ex = cell["example"]
-        head, question = lb.split_prompt(ds, ex)
-        head, question, cut = lb.truncate_middle(bb.tokenizer, head, question, cell["max_length"])
-        stop = ("\n",) if ds == "samsum" else ()          # pred.py: samsum also stops at a newline
-        rows = answer_all(bb, nb, head, [question], [list(ex["answers"])], stop=stop, **common)
-        for r in rows:
-            r.update(category=v1_category(ds), truncated=cut, parsed=None,
-                     score=100.0 * lb.score_prediction(ds, r["prediction"], ex["answers"], ex.get("all_classes")))
-    elif suite == "longbench_v2":
-        rows = answer_all(bb, nb, cell["head"], [cell["question"]], [[cell["answer"]]], stop=(), **common)
-        for r in rows:
-            r.update(category=cell["domain"], truncated=False, parsed=lb.parse_choice(r["prediction"]))
-            r["score"] = 100.0 * (r["parsed"] == cell["answer"])
-    elif suite == "memoryagentbench":
-        queries = [mab.build_query(ds, q) for q in cell["questions"]]
-        rows = answer_all(bb, nb, cell["context"], queries, cell["answers"], stop=(), **common)
-        for r in rows:
-            r.update(category=mab.task_family(ds), truncated=False, parsed=None,
-                     score=100.0 * mab.score_answer(ds, r["prediction"], r["answers"]))
-    else:
-        raise ValueError(f"unknown suite {suite!r}")
-    for r in rows:
-        r.update(benchmark=suite, dataset=ds, id=cell["id"], index=cell["index"],
-                 max_new_tokens=cell["max_new_tokens"])
-    return rows
-
-
-def run_cell(cell: dict) -> dict:
-    """Evaluate one cell and commit its Parquet file (tmp, then rename). Errors are returned, not raised."""
-    import torch
-
-    from pipeline.evaluate import _backbone
-    torch.set_num_threads(max(1, int(cell.get("threads", 1))))
-    t0 = time.perf_counter()
-    try:
-        rows = evaluate_cell(_backbone(cell["model"]), cell)
-        err = None
-    except Exception as e:  # noqa: BLE001 - a failed example is recorded, the run goes on
-        rows, err = [], f"{type(e).__name__}: {e}"
-    renames = cell.get("method_names") or {}
-    for r in rows:
-        r.update(backbone=cell["backbone"], entry=cell["entry"], method=renames.get(r["method"], r["method"]),
-                 cell_s=time.perf_counter() - t0)
-    return cell_result(cell, rows, err)
-
-
-def _size(cell: dict) -> int:
-    """Characters to read (longest cells start first)."""
-    ex = cell.get("example") or {}
-    return len(cell.get("context") or cell.get("head") or ex.get("context", ""))
-
-
-# ---------------------------------------------------------------------------------------------
-# Driver
-# ---------------------------------------------------------------------------------------------
-def run_longbench(cfg: LongBenchJobConfig) -> dict:
-    """Run (or resume) every cell on Ray (already initialised), then write the report. -> CLI summary."""
-    cfg.validate()
-    t0 = time.perf_counter()
-    cells, notes = plan_cells(cfg)
-    todo = sorted(unfinished(cfg.output, cells), key=lambda c: -_size(c))
-    results = run_all(run_cell, todo, cfg.num_cpus_per_cell, cfg.num_gpus_per_cell, progress=cfg.progress)
-    failed = [r for r in results if r["error"]]
-
-    def report(df):
-        from nbcore.evals.report_longbench import write_report
-        return write_report(df, cfg.output, cfg.report_title, meta=_meta(cfg, cells, notes))
-
-    summary = finish_sweep(cfg.output, report)
-    return {"cells": len(cells), "cells_run": len(todo), "cells_skipped": len(cells) - len(todo),
-            "cells_failed": len(failed), "tokens": sum(r["n_tokens"] for r in results),
-            "wall_s": round(time.perf_counter() - t0, 2), "summary_keys": len(summary), "v2": notes}
-
-
-def _meta(cfg: LongBenchJobConfig, cells: list[dict], notes: dict) -> dict:
-    meta = {"cells": len(cells), "methods": ", ".join(cfg.methods), "seed": cfg.seed}
-    if cfg.longbench.source:
-        meta["LongBench v1"] = (f"{cfg.longbench.source}: {len(cfg.longbench.datasets)} subsets, up to "
-                                f"{cfg.longbench.n_examples} examples each; middle truncation to "
-                                f"{cfg.longbench.max_length or 'never'} tokens")
-    for k, v in notes.items():
-        meta[f"LongBench v2 ({k.split('/')[0]})"] = (
-            f"{v['kept']} of {v['candidates']} candidates fit {v['position_budget']} positions with "
-            f"{v['replay_reserve']} replay tokens reserved ({v['dropped']} dropped, never truncated)")
-    if cfg.memoryagentbench.source:
-        meta["MemoryAgentBench"] = f"{cfg.memoryagentbench.source}: {', '.join(cfg.memoryagentbench.configs)}"
-    if cfg.max_new_tokens_cap is not None:
-        meta["generation"] = f"capped at {cfg.max_new_tokens_cap} new tokens (NOT the official budgets)"
-    return meta

@@ -1,10 +1,12 @@
-"""MoNe evaluation on Ray (issue 7; paper Tables 1-2): MoNe vs ICL vs RAG on the same frozen base,
-RULER S-NIAH / MK-NIAH / FWE at several context lengths, with write/query cost per example.
+"""MoNe evaluation (`benchmark: mone` in jobs/evaluate.py; paper Tables 1-2): MoNe vs ICL vs RAG on the
+same frozen base, RULER S-NIAH / MK-NIAH / FWE at several context lengths, with write/query cost per
+example.
 
-    python jobs/evaluate.py -c configs/eval_mone.yaml          # `benchmark: mone` picks this job
+    python jobs/evaluate.py -c configs/eval_mone.yaml
 
-One Ray task per example (task, length, index) runs every method (nbcore.mone.evaluation) and commits
-one Parquet file (temporary name, then rename). Resumable: a rerun skips examples whose file exists.
+The job's YAML -> one cell per example (task, length, index) of the nbcore benchmark `mone`
+(nbcore/evals/mone.py: every method on one example). Run by the sweep runner (pipeline/evaluate.py):
+resumable, a rerun skips examples whose file exists. Reported by pipeline/reporting/mone.py.
 
 Layout under `output`:
   cells/<task>/<length>/<index>.parquet   per-example rows (one per method; one per K for rag)
@@ -15,20 +17,18 @@ Layout under `output`:
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-import fsspec
+from nbcore.evals.mone import TASKS
+from notebank.pipeline.config import ConfigError
+from notebank.pipeline.evaluate import SweepJobConfig, cell_path, make_cell, parse_length
 
-from pipeline.config import BenchmarkJobConfig, ConfigError
-from pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
-
-K = 1024
-TASKS = ("niah_single_1", "niah_multikey_1", "fwe")
+__all__ = ["MoneEvalJobConfig", "parse_length"]
 
 
 @dataclass
-class MoneEvalJobConfig(BenchmarkJobConfig):
+class MoneEvalJobConfig(SweepJobConfig):
     """jobs/evaluate.py (benchmark: mone)"""
 
     benchmark: str = "mone"
@@ -48,6 +48,9 @@ class MoneEvalJobConfig(BenchmarkJobConfig):
     max_new_tokens: int = 0                         # 0: reference answer length + 2 tokens
     measure_cost: bool = True                       # FLOPs + peak tensor memory of every example
     num_cpus_per_task: float = 1.0
+
+    units: ClassVar[tuple[str, str]] = ("examples", "ex")
+    report_planned_only: ClassVar[bool] = True
 
     def validate(self):
         from nbcore.mone.evaluation import ENCODERS, METHODS
@@ -73,26 +76,39 @@ class MoneEvalJobConfig(BenchmarkJobConfig):
             parse_length(x)
         return self
 
+    # --- the runner's hooks ------------------------------------------------------------------
+    def plan(self) -> tuple[list[dict], dict]:
+        """One cell per (task, length, example index), longest first (better packing)."""
+        from nbcore.evals.mone import MoNe
+        model = _abs_local(self.model)
+        adapters = _abs_local(self.adapters) or os.path.join(model, "mone")
+        bench = MoNe(tasks=list(self.tasks), lengths=[parse_length(L) for L in self.lengths],
+                     n_examples=self.n_examples, seed=self.seed, split=self.split, rag_top_k=list(self.rag_top_k),
+                     rag_chunk=self.rag_chunk, rag_encoder=self.rag_encoder, max_new_tokens=self.max_new_tokens,
+                     measure_cost=self.measure_cost)
+        cells = [make_cell(bench, item, cell_path(self.output, item["task"], item["length"], item["index"]),
+                           model={"path": model, "adapters": adapters}, methods=self.methods,
+                           threads=self.num_cpus_per_task)
+                 for item in bench.examples()]
+        return sorted(cells, key=self.cell_order), {}
 
-def parse_length(s) -> int:
-    """'8K' -> 8192, '1M' -> 1048576, '1500' -> 1500."""
-    t = str(s).strip().upper()
-    try:
-        if t.endswith("M"):
-            n = int(float(t[:-1]) * K * K)
-        elif t.endswith("K"):
-            n = int(float(t[:-1]) * K)
-        else:
-            n = int(t)
-    except ValueError:
-        raise ConfigError(f"bad length {s!r} (use e.g. 1K, 8K, 4096)") from None
-    if n < 1:
-        raise ConfigError(f"bad length {s!r}: must be >= 1 token")
-    return n
+    def cell_order(self, cell: dict):
+        return -cell["item"]["length"]
 
+    def resources(self) -> tuple[float, float]:
+        return self.num_cpus_per_task, 0.0
 
-def cell_path(out: str, task: str, length: int, index: int) -> str:
-    return f"{out.rstrip('/')}/cells/{task}/{length}/{index:04d}.parquet"
+    def write_report(self, df, cells: list[dict], notes: dict) -> dict:
+        import fsspec
+
+        from notebank.pipeline.reporting.mone import write_report
+        meta = {"model": self.model, "adapters": self.adapters or f"{self.model}/mone", "split": self.split,
+                "methods": ", ".join(self.methods),
+                "rag": f"{self.rag_encoder}, {self.rag_chunk}-token chunks, K in {list(self.rag_top_k)} "
+                       f"(best K per task and length)",
+                "answer budget": (f"{self.max_new_tokens} tokens" if self.max_new_tokens
+                                  else "reference answer length + 2 tokens")}
+        return write_report(df, fsspec.core.url_to_fs(self.output)[1], self.report_title, meta=meta)
 
 
 def _abs_local(p: str | None) -> str | None:
@@ -100,82 +116,3 @@ def _abs_local(p: str | None) -> str | None:
     if p and "://" not in p and os.path.exists(p):
         return os.path.abspath(p)
     return p
-
-
-def plan_cells(cfg: MoneEvalJobConfig) -> list[dict]:
-    """One cell per (task, length, example index), longest first (better packing)."""
-    model = _abs_local(cfg.model)
-    adapters = _abs_local(cfg.adapters) or os.path.join(model, "mone")
-    common = dict(model=model, adapters=adapters, seed=cfg.seed, split=cfg.split, methods=list(cfg.methods),
-                  rag_top_k=list(cfg.rag_top_k), rag_chunk=cfg.rag_chunk, rag_encoder=cfg.rag_encoder,
-                  max_new_tokens=cfg.max_new_tokens, measure_cost=cfg.measure_cost,
-                  threads=max(1, int(cfg.num_cpus_per_task)))
-    cells = [dict(common, task=t, length=parse_length(L), index=i,
-                  path=cell_path(cfg.output, t, parse_length(L), i))
-             for t in cfg.tasks for L in cfg.lengths for i in range(cfg.n_examples)]
-    return sorted(cells, key=lambda c: -c["length"])
-
-
-_MODELS: dict = {}
-
-
-def _model(base: str, adapters: str):
-    """(MoNeModel, tokenizer), loaded once per worker process."""
-    key = (base, adapters)
-    if key not in _MODELS:
-        from nbcore.mone.model import MoNeModel
-        from nbcore.tasks.tokenizer import load_tokenizer
-        if not os.path.isfile(os.path.join(adapters, "mone_config.json")):
-            raise FileNotFoundError(f"{adapters}: no meta-trained MoNe parameters (mone_config.json); "
-                                    f"run jobs/train_mone.py or set adapters:")
-        _MODELS[key] = (MoNeModel.from_pretrained(base, adapters).eval(), load_tokenizer(base))
-    return _MODELS[key]
-
-
-def run_cell(cell: dict) -> dict:
-    """Evaluate one example under every method and commit its Parquet file."""
-    import torch
-
-    from nbcore.mone.evaluation import ExampleSpec, evaluate_example
-    torch.set_num_threads(cell["threads"])
-    t0 = time.perf_counter()
-    try:
-        model, tok = _model(cell["model"], cell["adapters"])
-        rows = evaluate_example(model, tok, ExampleSpec(cell["task"], cell["length"], cell["index"], cell["seed"],
-                                                        cell["split"]),
-                                methods=cell["methods"], rag_top_k=cell["rag_top_k"], rag_chunk=cell["rag_chunk"],
-                                rag_encoder=cell["rag_encoder"], max_new_tokens=cell["max_new_tokens"],
-                                measure_cost=cell["measure_cost"])
-    except Exception as e:  # noqa: BLE001 - a failed example is reported, the sweep goes on
-        return cell_result(cell, [], f"{type(e).__name__}: {e}")
-    for r in rows:
-        r["cell_s"] = time.perf_counter() - t0
-    return cell_result(cell, rows, None, tokens_key="context_tokens")
-
-
-def run_mone_eval(cfg: MoneEvalJobConfig) -> dict:
-    """Run (or resume) the evaluation, then write results.parquet and the report (Ray initialised by
-    the caller). -> a JSON-able summary for the CLI."""
-    cfg.validate()
-    t0 = time.perf_counter()
-    cells = plan_cells(cfg)
-    todo = unfinished(cfg.output, cells)
-    results = run_all(run_cell, todo, cfg.num_cpus_per_task, progress=cfg.progress, desc="examples", unit="ex")
-    failed = [r for r in results if r["error"]]
-
-    def report(df):
-        from nbcore.evals.report_mone import write_report
-        meta = {"model": cfg.model, "adapters": cfg.adapters or f"{cfg.model}/mone", "split": cfg.split,
-                "methods": ", ".join(cfg.methods),
-                "rag": f"{cfg.rag_encoder}, {cfg.rag_chunk}-token chunks, K in {list(cfg.rag_top_k)} "
-                       f"(best K per task and length)",
-                "answer budget": (f"{cfg.max_new_tokens} tokens" if cfg.max_new_tokens
-                                  else "reference answer length + 2 tokens")}
-        return write_report(df, fsspec.core.url_to_fs(cfg.output)[1], cfg.report_title, meta=meta)
-
-    summary = finish_sweep(cfg.output, report, cells)
-    return {"examples": len(cells), "examples_run": len(todo), "examples_skipped": len(cells) - len(todo),
-            "examples_failed": len(failed), "tokens": sum(r["n_tokens"] for r in results),
-            "wall_s": round(time.perf_counter() - t0, 2), "summary_keys": len(summary), "output": cfg.output,
-            "failures": [f"{f['path']}: {f['error']}" for f in failed[:5]]}
-

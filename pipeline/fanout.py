@@ -1,4 +1,4 @@
-"""Resumable cell sweeps on Ray, shared by the evaluation jobs (pipeline/evaluate*.py).
+"""Resumable cell sweeps on Ray: the mechanics of the evaluation sweep runner (pipeline/evaluate.py).
 
 A sweep is a list of cells (dicts with a `path`); each Ray task evaluates one cell and commits its
 rows as one Parquet file. Files are written to a temporary name and then renamed, so a file that

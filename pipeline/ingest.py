@@ -20,8 +20,8 @@ import logging
 import time
 from typing import Callable
 
-from pipeline.config import IngestJobConfig
-from pipeline.store import ArchiveStore
+from notebank.pipeline.config import IngestJobConfig
+from notebank.pipeline.store import ArchiveStore
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = 
     (pipeline.dataplane.ingest_dataset, pipeline.actors.IngestActor on nbcore.memory's backends).
     `workers` is accepted for compatibility and unused (Ray Data starts its own actors)."""
     cfg.validate()
-    from pipeline.dataplane import ingest_dataset
+    from notebank.pipeline.dataplane import ingest_dataset
     return ingest_dataset(cfg, on_commit=on_commit)
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 
 from nbcore.config import NoteBankConfig, ReadConfig
-from pipeline.config import ActorSpec, ModelSpec, build
-from pipeline.pool import dispatch, start_workers, stop_workers
-from pipeline.query import _fail, _rc_dict, score_fn
+from notebank.pipeline.config import ActorSpec, ModelSpec, build
+from notebank.pipeline.pool import dispatch, start_workers, stop_workers
+from notebank.pipeline.query import _fail, _rc_dict, score_fn
 
 
 def _model(spec) -> ModelSpec:

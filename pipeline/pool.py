@@ -10,8 +10,8 @@ from typing import Callable, Iterable
 
 import ray
 
-from pipeline.config import ActorSpec, ModelSpec, RaySpec
-from pipeline.worker import NoteBankWorker
+from notebank.pipeline.config import ActorSpec, ModelSpec, RaySpec
+from notebank.pipeline.worker import NoteBankWorker
 
 log = logging.getLogger(__name__)
 

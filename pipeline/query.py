@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from nbcore.config import ReadConfig
-from pipeline.config import QueryJobConfig
-from pipeline.worker import _rc_json
-from schemas._base import table_to_parquet_bytes
-from schemas.answers import answers_table
+from notebank.pipeline.config import QueryJobConfig
+from notebank.pipeline.worker import _rc_json
+from notebank.schemas._base import table_to_parquet_bytes
+from notebank.schemas.answers import answers_table
 
 def score_fn():
     """-> (fn(prediction, references) -> 0..100, metric name). RULER's string_match_all from
@@ -42,7 +42,7 @@ def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
     (`memory: notebank | mone`); a query with the other memory than the archive holds is refused.
     `workers` is accepted for compatibility and unused."""
     cfg.validate()
-    from pipeline.dataplane import query_dataset
+    from notebank.pipeline.dataplane import query_dataset
     return query_dataset(cfg)
 
 

@@ -24,13 +24,13 @@ import uuid
 
 import fsspec
 
-from schemas.manifest import DocRecord, FileRef, fingerprint_diff, parse_run_record, run_record
+from notebank.schemas.manifest import DocRecord, FileRef, fingerprint_diff, parse_run_record, run_record
 
 TMP_MARK = ".tmp-"
 _SAFE = "-_.=+@,"
 
 
-from pipeline.archive import ArchiveError, FingerprintMismatch  # noqa: E402,F401 (one class each, shared)
+from notebank.pipeline.archive import ArchiveError, FingerprintMismatch  # noqa: E402,F401 (one class each, shared)
 
 
 def utc_now() -> str:

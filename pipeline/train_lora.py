@@ -29,9 +29,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from nbcore.config import NoteBankConfig
-from nbcore.lora import LoraSpec
-from pipeline.config import ConfigError, ModelSpec, RaySpec, to_dict
+from nbcore.training.lora import LoraTrainConfig
+from notebank.pipeline.config import ConfigError, ModelSpec, RaySpec, to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,28 +40,9 @@ class SyntheticSpec:
     """Generated RULER NIAH training data (train keys) for the tiny backbones."""
 
     n: int = 0                                   # 0 = off (use `data`)
-    lengths: list[int] = field(default_factory=lambda: [1024])
+    lengths: list[int] = field(default_factory=lambda: [1024])   # context lengths (tokens)
     tasks: list[str] | None = None               # None = the paper's six NIAH tasks
-    seed: int = 0
-
-
-@dataclass
-class TrainSpec:
-    """nbcore.training.lora.LoraTrainConfig (App. C.4 defaults)."""
-
-    updates: int = 600
-    examples_per_update: int = 4
-    lr: float = 5e-4
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    seed: int = 0
-    max_answer_tokens: int = 47
-    replay: bool = True                          # False: the plain-LoRA control (no NoteBank)
-    top_r: int = 2
-    router: str = "native"
-    lam: float | None = None
-    answer_lead: str = " "
-    block_size: int = 8192
+    seed: int = 0                                # generation seed
 
 
 @dataclass
@@ -76,15 +56,14 @@ class TrainLoraJobConfig:
     storage: str = "out/ray_train"               # Ray Train storage path (checkpoints; local or URI)
     name: str = "nb-lora"                        # run name: same storage + name = resume
     model: ModelSpec = field(default_factory=ModelSpec)
-    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
-    lora: LoraSpec = field(default_factory=LoraSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
-    num_workers: int = 2
-    cpus_per_worker: float = 1.0
-    use_gpu: bool = False
+    train: LoraTrainConfig = field(default_factory=LoraTrainConfig)  # App. C.4; train.nb: the NoteBank writer,
+                                                 # train.lora: the adapters
+    num_workers: int = 2                         # Ray Train workers (DDP ranks)
+    cpus_per_worker: float = 1.0                 # CPUs reserved per worker
+    use_gpu: bool = False                        # one GPU per worker
     torch_threads: int = 1                       # torch threads per worker
     checkpoint_every: int = 50                   # updates between checkpoints (and at the end)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2                    # checkpoints kept in storage
     max_failures: int = 1                        # worker-group restarts from the latest checkpoint
     ray: RaySpec = field(default_factory=RaySpec)
 
@@ -99,16 +78,13 @@ class TrainLoraJobConfig:
             raise ConfigError(f"name must be a non-empty folder name, got {self.name!r}")
         self.model.validate()
         try:
-            self.notebank.validate()
-            self.lora.validate()
-            self.train_config().validate()
+            self.train.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from e
         return self
 
-    def train_config(self):
-        from nbcore.training.lora import LoraTrainConfig
-        return LoraTrainConfig(**asdict(self.train), nb=self.notebank.to_dict(), lora=self.lora.to_dict())
+    def train_config(self) -> LoraTrainConfig:
+        return self.train
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,9 +120,9 @@ def train_loop_per_worker(config: dict) -> None:
     import torch
 
     import ray.train
-    from nbcore.lora import LoraSpec, attach_adapter, load_adapter, save_adapter, trainable_parameters
+    from nbcore.lora import attach_adapter, load_adapter, save_adapter, trainable_parameters
     from nbcore.training.lora import LoraTrainConfig, examples_for_update, make_optimizer, train_update
-    from pipeline.worker import build_backbone
+    from nbcore.backbones.loading import build_backbone
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -167,7 +143,7 @@ def train_loop_per_worker(config: dict) -> None:
             load_adapter(bb, os.path.join(d, "adapter"), trainable=True)
             opt_state = torch.load(os.path.join(d, "optimizer.pt"), map_location="cpu", weights_only=True)
     else:
-        attach_adapter(bb, LoraSpec(**tcfg.lora), seed=tcfg.seed)
+        attach_adapter(bb, tcfg.lora, seed=tcfg.seed)
     params = trainable_parameters(bb)
     for p in params:
         p.requires_grad_(True)
@@ -314,4 +290,4 @@ def export(ckpt_dir: str, dest: str, summary: dict) -> None:
         json.dump(summary, f, indent=2, default=str)
 
 
-__all__ = ["TrainLoraJobConfig", "TrainSpec", "SyntheticSpec", "run_train", "train_loop_per_worker", "export"]
+__all__ = ["TrainLoraJobConfig", "SyntheticSpec", "run_train", "train_loop_per_worker", "export"]

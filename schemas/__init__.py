@@ -5,6 +5,6 @@
 - schemas.answers  answers Parquet (one row per question and method)
 - schemas.inputs   corpus and question row formats
 """
-from schemas._base import PARQUET_WRITE_OPTIONS, SchemaError
+from notebank.schemas._base import PARQUET_WRITE_OPTIONS, SchemaError
 
 __all__ = ["SchemaError", "PARQUET_WRITE_OPTIONS"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from schemas._base import check_table, with_meta
+from notebank.schemas._base import check_table, with_meta
 
 NAME = "answers"
 VERSION = 2

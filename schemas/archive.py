@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import pyarrow as pa
 
-from schemas._base import SchemaError, check_table, dumps_json, schema_meta, with_meta
-from schemas.manifest import FileRef  # noqa: F401 (one file-reference type for both layouts)
+from notebank.schemas._base import SchemaError, check_table, dumps_json, schema_meta, with_meta
+from notebank.schemas.manifest import FileRef  # noqa: F401 (one file-reference type for both layouts)
 
 LAYOUT_VERSION = 2
 NOTES_NAME, NOTES_VERSION = "notes", 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from schemas._base import SchemaError, dumps_json
+from notebank.schemas._base import SchemaError, dumps_json
 
 DOC_NAME, RUN_NAME = "manifest.doc", "manifest.run"
 VERSION = 1

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from schemas._base import SchemaError, check_table, schema_meta, with_meta
+from notebank.schemas._base import SchemaError, check_table, schema_meta, with_meta
 
 NAME = "notes"
 VERSION = 1

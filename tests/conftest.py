@@ -69,8 +69,8 @@ TEST_ACTORS = {"num_actors": 2, "num_cpus": 0.0, "torch_threads": 1, "start_time
 @pytest.fixture(scope="session")
 def pool(ray_session):
     """Two NoteBankWorker actors holding the tiny model, shared by tests (model loads once)."""
-    from pipeline.config import ActorSpec, ModelSpec, build
-    from pipeline.pool import start_workers, stop_workers
+    from notebank.pipeline.config import ActorSpec, ModelSpec, build
+    from notebank.pipeline.pool import start_workers, stop_workers
     handles, infos = start_workers(build(ModelSpec, TINY_MODEL), build(ActorSpec, TEST_ACTORS))
     yield handles, infos
     stop_workers(handles)
@@ -79,8 +79,8 @@ def pool(ray_session):
 @pytest.fixture(scope="session")
 def other_pool(ray_session):
     """One actor holding the tiny model with other weights (seed 1): fingerprint-mismatch tests."""
-    from pipeline.config import ActorSpec, ModelSpec, build
-    from pipeline.pool import start_workers, stop_workers
+    from notebank.pipeline.config import ActorSpec, ModelSpec, build
+    from notebank.pipeline.pool import start_workers, stop_workers
     handles, infos = start_workers(build(ModelSpec, {**TINY_MODEL, "seed": 1}),
                                    build(ActorSpec, {**TEST_ACTORS, "num_actors": 1}))
     yield handles, infos

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbcore import NoteBankConfig, ReadConfig, answer, ingest, load_backbone
-from nbcore.evals.ruler_eval import VARIANTS, method_config, writer_overrides
+from nbcore.evals.methods import VARIANTS, method_config, writer_overrides
 from nbcore.notebank.route import margin_votes, native_votes, normalized_keys, sum_scores
 from nbcore.notebank.write import assign_addresses, query_novelty
 from nbcore.testing import byte_tokenizer, needle_text, tiny_gdn_config

@@ -10,8 +10,8 @@ from safetensors.torch import load, save
 
 from conftest import TINY_MODEL, TINY_NB
 from nbcore.testing import needle_text
-from pipeline.archive import Archive, plan_pieces, safetensors_chunks
-from schemas import archive as S
+from notebank.pipeline.archive import Archive, plan_pieces, safetensors_chunks
+from notebank.schemas import archive as S
 
 
 def _tensors():
@@ -76,7 +76,7 @@ def test_archive_reads_as_one_table_everywhere(ray_session, tmp_path):
     import polars as pl
     import pyarrow.dataset as pds
     import ray
-    from pipeline.actors import IngestActor
+    from notebank.pipeline.actors import IngestActor
     out = tmp_path / "out"
     actor = IngestActor(model=TINY_MODEL, nb=TINY_NB, block_size=512, output=str(out), fp_digest="x",
                         tokenizer_name="byte")

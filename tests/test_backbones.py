@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Mamba2Config, Qwen3_5TextConfig
 
 from nbcore.backbones import RawTap, load_backbone
 from nbcore.testing import byte_tokenizer, tiny_gdn_config, tiny_mamba2_config
@@ -159,16 +160,59 @@ def test_single_token_capture(bb):
     assert q.shape == (1, bb.n_channels, bb.key_dim)
 
 
-def test_channel_counts_of_real_configs():
-    """Paper App. C.1: GDN-1.3B 24x8=192 (fla layout, see test_fla), Qwen3.5-9B 24 GDN x 16 key
-    heads = 384, Mamba-2-1.3B 48 layers x 1 group = 48."""
-    from transformers import Mamba2Config, Qwen3_5TextConfig
-    from nbcore.backbones.hf import GDNBackbone, Mamba2Backbone
-    q35 = Qwen3_5TextConfig(num_hidden_layers=32, linear_num_key_heads=16, linear_key_head_dim=128,
-                            full_attention_interval=4)
-    assert sum(t == "linear_attention" for t in q35.layer_types) * q35.linear_num_key_heads == 384
-    m2 = Mamba2Config(num_hidden_layers=48, n_groups=1, hidden_size=2048, state_size=128, num_heads=64, head_dim=64)
-    assert m2.num_hidden_layers * m2.n_groups == 48
+# Channel layouts of real checkpoints (paper App. C.1), built as real transformers models: every
+# size that sets the channel layout (layer count and types, key heads / groups, the value/key head
+# ratio) is the checkpoint's; widths (hidden size, head dims, vocab) are shrunk so that random
+# init on CPU takes milliseconds. GDN-1.3B (24 x 8 = 192) uses the fla layout: see test_fla.
+REAL_LAYOUTS = {
+    # Qwen3.5-9B text: 32 layers, full attention every 4th -> 24 GDN layers x 16 key heads
+    # (32 value heads: q/k are captured before the kernel repeats them to the value heads).
+    "qwen3.5-9b": dict(
+        expected_J=384, family="gdn",
+        config=lambda: Qwen3_5TextConfig(
+            num_hidden_layers=32, full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4, vocab_size=64,
+            hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            tie_word_embeddings=True)),
+    # Mamba-2-1.3B: 48 layers x 1 B/C group (64 SSM heads, which are NOT channels).
+    "mamba2-1.3b": dict(
+        expected_J=48, family="mamba2",
+        config=lambda: Mamba2Config(
+            num_hidden_layers=48, n_groups=1, num_heads=4, head_dim=8, expand=2, hidden_size=16, state_size=8,
+            conv_kernel=4, chunk_size=16, vocab_size=64, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_LAYOUTS))
+def test_channel_counts_of_real_configs(name):
+    """J = (#recurrent layers) x (key heads | B/C groups), as the real adapter reports it AND as
+    the features it captures are laid out: [T, J, d_k], channel (layer, head) = the layer's own
+    native q/k recomputed from its weights."""
+    spec = REAL_LAYOUTS[name]
+    cfg = spec["config"]()
+    bb = load_backbone(cfg, seed=0)
+    assert bb.family == spec["family"]
+    if bb.family == "gdn":
+        rec = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        assert len(rec) == 24 and len(cfg.layer_types) == 32
+        heads, d = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    else:
+        rec, heads, d = list(range(cfg.num_hidden_layers)), cfg.n_groups, cfg.state_size
+    assert len(rec) * heads == spec["expected_J"]                      # the paper's number, from the config
+    assert bb.n_channels == spec["expected_J"]
+    assert bb.rec_layers == rec and bb.heads_per_layer == heads and bb.key_dim == d
+    ids = _ids(9, seed=4, vocab=cfg.vocab_size)
+    tap = RawTap(len(bb.rec_layers))
+    s = bb.new_state()
+    bb.forward(s, ids[:5], tap=tap)
+    bb.forward(s, ids[5:], tap=tap)
+    q, k = tap.result()
+    assert q.shape == k.shape == (9, spec["expected_J"], d)
+    q_ref, k_ref = _independent_qk(bb, ids)
+    assert q_ref.shape == q.shape
+    assert torch.allclose(q, q_ref, atol=1e-5) and torch.allclose(k, k_ref, atol=1e-5)
+    # channels are distinct (layer, head) features, not copies of one head
+    assert len({tuple(q[0, j].tolist()) for j in range(q.shape[1])}) == spec["expected_J"]
 
 
 def test_unsupported_checkpoint_names_supported_families(tmp_path):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import (ConfigError, DemoConfig, IngestJobConfig, QueryJobConfig, load_config,
+from notebank.pipeline.config import (ConfigError, DemoConfig, IngestJobConfig, QueryJobConfig, load_config,
                              parse_overrides, to_dict)
 
 REPO = Path(__file__).resolve().parents[1]
-from pipeline.train_lora import TrainLoraJobConfig  # noqa: E402
+from notebank.pipeline.train_lora import TrainLoraJobConfig  # noqa: E402
 
 JOB_CONFIGS = {"ingest": IngestJobConfig, "query": QueryJobConfig, "demo": DemoConfig,
                "train_lora": TrainLoraJobConfig}
@@ -115,3 +115,16 @@ def test_shipped_configs_and_demo_share_the_tiny_model():
         assert load_config(cls, REPO / f"configs/{name}.yaml").model.path == "models/tiny-gdn"
     assert load_config(DemoConfig, REPO / "configs/demo.yaml").model.path == "models/tiny-gdn"
     assert DemoConfig().model.path == "models/tiny-gdn"
+
+
+def test_every_model_path_a_shipped_config_names_is_shipped():
+    """configs/*.yaml only name checkpoints that are in models/ (pruned ones live in git history)."""
+    import re
+    missing = []
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        for line in path.read_text().splitlines():
+            code = line.split("#", 1)[0]
+            for m in re.finditer(r"models/[\w.-]+(?:/[\w.-]+)?", code):
+                if not (REPO / m.group(0)).exists():
+                    missing.append(f"{path.name}: {m.group(0)}")
+    assert not missing, missing

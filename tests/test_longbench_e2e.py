@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from nbcore.evals import longbench as lb
-from nbcore.evals.report_longbench import summarize
-from pipeline.config import ConfigError, load_config
-from pipeline.evaluate_longbench import LongBenchJobConfig, plan_cells, replay_reserve
+from nbcore.evals.methods import replay_reserve
+from notebank.pipeline.config import ConfigError, load_config
+from notebank.pipeline.evaluate_longbench import LongBenchJobConfig
+from notebank.pipeline.reporting.longbench import summarize
 
 from conftest import TINY_MODEL, TINY_NB
 
@@ -33,7 +34,7 @@ def _argv(out, *extra) -> list[str]:
 
 
 def test_split_prompt_and_middle_truncation():
-    from pipeline.worker import byte_tokenizer
+    from nbcore.backbones.loading import byte_tokenizer
     tok = byte_tokenizer()                         # 1 token per byte: every length is hand-checkable
     ex = lb.load_longbench(str(FIX / "longbench"), "hotpotqa")[0]
     head, q = lb.split_prompt("hotpotqa", ex)
@@ -78,20 +79,24 @@ def test_fixture_config_plans_the_paper_rules():
     """The shipped fixture config: seeded v1 subsets, v2 domain subset + fit filter, MAB contexts."""
     cfg = load_config(LongBenchJobConfig, CFG)
     assert "python jobs/evaluate.py -c configs/eval_longbench_fixtures.yaml" in CFG.read_text()
-    cells, notes = plan_cells(cfg)
+    cells, notes = cfg.plan()
     by = {}
     for c in cells:
-        by.setdefault(c["suite"], []).append(c)
+        by.setdefault(c["benchmark"], []).append(c["item"])
     assert {c["dataset"] for c in by["longbench"]} == set(cfg.longbench.datasets)
     assert [c["index"] for c in by["longbench"] if c["dataset"] == "hotpotqa"] == \
         lb.select_subset(list(range(3)), 2, cfg.seed)
-    assert {c["max_new_tokens"] for c in by["longbench"] if c["dataset"] == "gov_report"} == {512}
+    assert {cfg.v1().max_new_tokens(c) for c in by["longbench"] if c["dataset"] == "gov_report"} == {512}
     v2 = notes["tiny-gdn/longbench_v2"]
     assert (v2["candidates"], v2["kept"], v2["dropped"]) == (3, 2, 1)   # code-repo example off; 1 too long
     assert v2["replay_reserve"] == replay_reserve(cfg.methods, cfg.backbones[0].notebank) == 2 * 32
     assert len(by["longbench_v2"]) == 2
     assert all(c["question"].startswith("\n</text>") and "(A)" in c["question"] for c in by["longbench_v2"])
     assert sorted(c["dataset"] for c in by["memoryagentbench"]) == sorted(cfg.memoryagentbench.configs)
+    for c in cells:                                                         # the cell layout of resumed runs
+        it = c["item"]
+        assert c["path"].endswith(f"/cells/tiny-gdn/{c['benchmark']}/{it.get('dataset', c['benchmark'])}/"
+                                  f"{it['index']:04d}.parquet")
 
 
 def test_config_errors(tmp_path):
@@ -108,15 +113,15 @@ def test_config_errors(tmp_path):
         load_config(LongBenchJobConfig, None, base + ["memoryagentbench.source=x", "memoryagentbench.configs=[nope]"])
     missing = tmp_path / "no-such-dir"
     with pytest.raises(ConfigError, match=rf"longbench.source: .*{missing}/multifieldqa_en.jsonl.*expected LongBench v1"):
-        plan_cells(load_config(LongBenchJobConfig, CFG, [f"longbench.source={missing}"]))
+        load_config(LongBenchJobConfig, CFG, [f"longbench.source={missing}"]).plan()
     with pytest.raises(ConfigError, match=rf"memoryagentbench.source: {missing} not found"):
-        plan_cells(load_config(LongBenchJobConfig, CFG, [f"memoryagentbench.source={missing}"]))
+        load_config(LongBenchJobConfig, CFG, [f"memoryagentbench.source={missing}"]).plan()
     with pytest.raises(ConfigError, match="longbench_v2.source: LongBench v2 data not found"):
-        plan_cells(load_config(LongBenchJobConfig, CFG, [f"longbench_v2.source={missing}"]))
+        load_config(LongBenchJobConfig, CFG, [f"longbench_v2.source={missing}"]).plan()
 
 
 def test_end_to_end_through_jobs_evaluate(ray_session, tmp_path):
-    from jobs.evaluate import main
+    from notebank.jobs.evaluate import main
     out = tmp_path / "lb"
     first = main(_argv(out))
     assert first["cells_failed"] == 0 and first["cells_run"] == first["cells"] == 5 + 3 + 4

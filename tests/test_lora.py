@@ -232,18 +232,49 @@ def test_eq10_loss_counts_only_answer_tokens_and_eos():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_gradients_flow_through_replay_tokens():
-    bb = make_bb("gdn")
+def _adapter_grads(bb, rex):
+    """Eq. 10 loss of one read and the gradient on every adapter parameter (zeros where none)."""
+    named = [(n, p) for n, p in bb.model.named_parameters() if p.requires_grad]
+    for _, p in named:
+        p.grad = None
+    loss = read_nll(bb, rex)
+    loss.backward()
+    return float(loss.detach()), {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in named}
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_gradients_flow_through_replay_tokens(kind):
+    """The replayed note tokens are part of the differentiable read (Eq. 10): the adapters act on
+    them and the loss back-propagates through them. Reference: the same read with the replay
+    DETACHED (read into a copy of S_T under no_grad, then Q and Y~ differentiable from there) has
+    the same loss; the difference of the two gradients is the part that comes through the replay
+    tokens, and it must be non-zero on every adapter that writes the recurrent state."""
+    bb = make_bb(kind)
     attach_adapter(bb)
     randomize(bb, std=0.05)
     state = bb.new_state()
     bb.forward(state, IDS, need_logits=False)
     q = torch.tensor([70, 71, 72])
     y = answer_targets(bb, " ab", 47)
-    losses = []
-    for replay in (torch.tensor([80, 81, 82, 83]), torch.tensor([90, 91, 92, 93])):
-        losses.append(float(read_nll(bb, ReadExample(state, replay, q, y))))
-    assert losses[0] != losses[1]
+    replay = torch.tensor([80, 81, 82, 83])
+    loss, g = _adapter_grads(bb, ReadExample(state, replay, q, y))
+    assert g and all("lora_" in n for n in g)
+    s_pre = bb.copy_state(state)
+    with bb.reading():                                 # adapters on, like the read; Backbone.forward is no_grad
+        bb.forward(s_pre, replay, need_logits=False)
+    loss_det, g_det = _adapter_grads(bb, ReadExample(s_pre, torch.zeros(0, dtype=torch.long), q, y))
+    assert loss == pytest.approx(loss_det, abs=1e-5)   # the same read
+    # adapters on what writes the recurrent state: GDN in_proj_qkv, Mamba-2 in_proj x/B/C rows
+    # (lora_A/B); out_proj adapters (out_proj / lora_out_*) of the LAST layer see the replay only
+    # through logits nobody reads, so they are not required to get a replay gradient
+    state_writers = [n for n in g if "out_" not in n]
+    assert state_writers
+    for n in state_writers:
+        via_replay = float((g[n] - g_det[n]).abs().max())
+        assert via_replay > 1e-2 * float(g[n].abs().max()) > 0, (n, via_replay)
+    # other replayed tokens -> another loss (the replay is read, not skipped)
+    other = float(read_nll(bb, ReadExample(state, torch.tensor([90, 91, 92, 93]), q, y)))
+    assert other != pytest.approx(loss, abs=1e-6)
 
 
 # ---- training step, bad input ---------------------------------------------------------------------
@@ -379,7 +410,7 @@ def test_query_model_spec_loads_adapter(tmp_path):
     backbone; routing is unchanged, reading uses it."""
     import torch
     from nbcore.lora import attach_adapter, save_adapter
-    from pipeline.worker import build_backbone
+    from notebank.pipeline.worker import build_backbone
     from conftest import TINY_MODEL
     bb = build_backbone(dict(TINY_MODEL))
     attach_adapter(bb)

@@ -15,8 +15,8 @@ import yaml
 
 from conftest import REPO, TEST_ACTORS, write_jsonl
 from nbcore.mone import state as mstate
-from pipeline.archive import Archive, FingerprintMismatch
-from pipeline.config import ConfigError, IngestJobConfig, QueryJobConfig, build
+from notebank.pipeline.archive import Archive, FingerprintMismatch
+from notebank.pipeline.config import ConfigError, IngestJobConfig, QueryJobConfig, build
 
 BASE = str(REPO / "models" / "tiny-qwen2")
 MONE_ACTORS = {**TEST_ACTORS, "num_actors": 1}
@@ -48,14 +48,14 @@ def ids_of(tok, text: str) -> list[int]:
 
 
 def committed(root: Path) -> dict:
-    from pipeline.dataplane import committed_documents
+    from notebank.pipeline.dataplane import committed_documents
     return committed_documents(Archive(str(root)), verify=True, repair=False)[1]
 
 
 def load_state(root: Path, doc: str) -> mstate.MoNeState:
     """The document's latest committed state, as the query actor reads it."""
     from nbcore.mone.backend_support import state_from_tensors
-    from schemas.archive import FileRef
+    from notebank.schemas.archive import FileRef
     c = committed(root)[doc]
     return state_from_tensors(Archive(str(root)).read_state([FileRef(**r) for r in c["state"]]), doc)
 
@@ -95,8 +95,8 @@ def job_yaml(path: Path, **cfg) -> str:
 # ingest + query through the Ray Data drivers
 
 def test_ingest_rerun_and_query_with_mone_memory(ray_session, mone, tmp_path):
-    from pipeline.ingest import run_ingest
-    from pipeline.query import run_query
+    from notebank.pipeline.ingest import run_ingest
+    from notebank.pipeline.query import run_query
     tok = mone.tokenizer
     docs, qs = ruler_docs(tok, 2)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs + [{"doc_id": "empty", "text": ""}])
@@ -150,7 +150,7 @@ def test_ingest_rerun_and_query_with_mone_memory(ray_session, mone, tmp_path):
 
 
 def test_append_equals_ingest_of_the_concatenation(ray_session, mone, tmp_path):
-    from pipeline.ingest import run_ingest
+    from notebank.pipeline.ingest import run_ingest
     model, tok = mone.model, mone.tokenizer
     text = ruler_docs(tok, 1, length=700)[0][0]["text"]
     full = ids_of(tok, text)
@@ -189,9 +189,9 @@ def test_append_equals_ingest_of_the_concatenation(ray_session, mone, tmp_path):
 
 
 def test_memory_choice_is_validated(tmp_path, capsys):
-    from jobs import ingest as ingest_job
-    from pipeline.query import run_query
-    from schemas.manifest import run_record
+    from notebank.jobs import ingest as ingest_job
+    from notebank.pipeline.query import run_query
+    from notebank.schemas.manifest import run_record
     base = {"corpus": "c.jsonl", "output": "o", "model": {"path": BASE}}
     with pytest.raises(ConfigError, match=r"memory must be one of \['notebank', 'mone'\], got 'bogus'"):
         build(IngestJobConfig, {**base, "memory": "bogus"}).validate()
@@ -242,7 +242,7 @@ def test_live_tensor_peak_counts_storages():
 
 
 def test_eval_job_end_to_end_and_resume(ray_session, tmp_path, capsys):
-    from jobs import evaluate as eval_job
+    from notebank.jobs import evaluate as eval_job
     out = tmp_path / "eval"
     cfg = job_yaml(tmp_path / "eval.yaml", benchmark="mone", output=str(out), model=BASE,
                    tasks=["niah_single_1", "fwe"], lengths=[256, 512], n_examples=1, rag_top_k=[1, 2],
@@ -283,8 +283,8 @@ def test_eval_job_end_to_end_and_resume(ray_session, tmp_path, capsys):
 
 
 def test_shipped_eval_config_runs_at_8x_the_meta_training_length():
-    from pipeline.config import load_config
-    from pipeline.evaluate_mone import MoneEvalJobConfig, parse_length
+    from notebank.pipeline.config import load_config
+    from notebank.pipeline.evaluate_mone import MoneEvalJobConfig, parse_length
     path = REPO / "configs" / "eval_mone.yaml"
     cfg = load_config(MoneEvalJobConfig, path)
     assert cfg.benchmark == "mone" and set(cfg.methods) == {"mone", "icl", "rag"}

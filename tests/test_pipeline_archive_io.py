@@ -8,10 +8,10 @@ import torch
 from conftest import TINY_MODEL, TINY_NB
 from nbcore import NoteBankConfig, ReadConfig, answer, ingest
 from nbcore.testing import needle_text
-from pipeline import archive_io
-from pipeline.store import ArchiveError, FingerprintMismatch
-from pipeline.worker import NoteBankWorker, build_backbone
-from schemas._base import SchemaError
+from notebank.pipeline import archive_io
+from notebank.pipeline.store import ArchiveError, FingerprintMismatch
+from notebank.pipeline.worker import NoteBankWorker, build_backbone
+from notebank.schemas._base import SchemaError
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_notes_roundtrip_is_exact_and_deterministic(bb, doc):
 @pytest.mark.parametrize("variant", ["m4", "m4qnovelmargin"])
 def test_multi_slot_archives_roundtrip_and_route_identically(bb, doc, variant):
     """Issue 9 variants with m address slots per channel survive the Parquet round trip."""
-    from nbcore.evals.ruler_eval import VARIANTS, method_config
+    from nbcore.evals.methods import VARIANTS, method_config
     text, needles, _ = doc
     cfg = NoteBankConfig(**{**TINY_NB, **VARIANTS[variant][0]})
     a = ingest(bb, text, cfg).archive

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import REPO, TEST_ACTORS, TINY_MODEL, TINY_NB, write_jsonl
 from nbcore.testing import needle_text
-from pipeline.archive import Archive, FingerprintMismatch, LayoutError
-from pipeline.config import ConfigError, IngestJobConfig, build
-from pipeline.ingest import run_ingest
+from notebank.pipeline.archive import Archive, FingerprintMismatch, LayoutError
+from notebank.pipeline.config import ConfigError, IngestJobConfig, build
+from notebank.pipeline.ingest import run_ingest
 
 ACTORS = TEST_ACTORS
 
@@ -147,7 +147,7 @@ def test_damaged_files_are_redone_and_truncated_shard_is_recorded(ray_session, t
 
 
 def test_refusals_before_any_model_work(ray_session, tmp_path):
-    from pipeline.safety import OutputBusy, UnsafePath, acquire_lease
+    from notebank.pipeline.safety import OutputBusy, UnsafePath, acquire_lease
     corpus = write_jsonl(tmp_path / "c.jsonl", good_docs(2))
     # two writers on one output: the second is refused, naming the first
     out = tmp_path / "busy"
@@ -258,8 +258,8 @@ def test_killed_driver_then_rerun_matches_uninterrupted_run(ray_session, tmp_pat
 def test_ingest_actor_without_ray_on_memory_fs(tmp_path):
     """The actor class itself, in this process, writing real Parquet through fsspec memory://."""
     import fsspec
-    from pipeline.actors import IngestActor
-    from pipeline.archive_io import run_fingerprint  # noqa: F401 (same fingerprint code path)
+    from notebank.pipeline.actors import IngestActor
+    from notebank.pipeline.archive_io import run_fingerprint  # noqa: F401 (same fingerprint code path)
     fs = fsspec.filesystem("memory")
     actor = IngestActor(model=TINY_MODEL, nb=TINY_NB, block_size=512, output="memory://ia/out", fp_digest="x",
                         tokenizer_name="byte")
@@ -284,8 +284,8 @@ def test_mode_append_continues_documents_and_equals_one_shot(ray_session, tmp_pa
     archive gains only the new notes, and equals a one-shot ingest of the parts (nbcore.append's rule)."""
     import torch
     from nbcore import NoteBankConfig, ingest
-    from pipeline.actors import load_archive
-    from pipeline.worker import build_backbone
+    from notebank.pipeline.actors import load_archive
+    from nbcore.backbones.loading import build_backbone
     docs = good_docs(3, chars=1400)
     cut = [500, 777, 1029]                       # inside chunks, mid-sentence
     first = [{"doc_id": d["doc_id"], "text": d["text"][:c]} for d, c in zip(docs, cut)]
@@ -309,7 +309,7 @@ def test_mode_append_continues_documents_and_equals_one_shot(ray_session, tmp_pa
     bb = build_backbone(TINY_MODEL)
     nb = NoteBankConfig(**TINY_NB)
     store = Archive(str(out))
-    from pipeline.dataplane import committed_documents
+    from notebank.pipeline.dataplane import committed_documents
     _, committed, _ = committed_documents(store, verify=True, repair=False)
     for d, a, b in zip(docs, first, second):
         ref = ingest(bb, None, nb, parts=[a["text"], b["text"]], block_size=512)
@@ -320,7 +320,7 @@ def test_mode_append_continues_documents_and_equals_one_shot(ray_session, tmp_pa
         assert all((x == y).all() for x, y in zip(got.token_ids, ref.archive.token_ids))
         diff = (got.addresses.float() - ref.archive.addresses.float()).abs().max().item() if len(got) else 0.0
         assert diff <= 0.02, diff                 # bf16 addresses: within one bf16 step of the one-shot ones
-        st = store.read_state([__import__("schemas.archive", fromlist=["FileRef"]).FileRef(**r) for r in c["state"]])
+        st = store.read_state([__import__("notebank.schemas.archive", fromlist=["FileRef"]).FileRef(**r) for r in c["state"]])
         ref_t = bb.state_to_tensors(ref.state)
         for k, v in ref_t.items():
             assert torch.allclose(st[k].float(), v.float(), atol=1e-5), k

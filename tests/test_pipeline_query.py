@@ -11,13 +11,13 @@ import pytest
 from conftest import TEST_ACTORS, TINY_MODEL, TINY_NB, write_jsonl
 from nbcore import NoteBankConfig, ReadConfig
 from nbcore.testing import needle_text
-from pipeline.config import DemoConfig, IngestJobConfig, QueryJobConfig, build
-from pipeline.ingest import run_ingest
-from pipeline.onepass import run_onepass
-from pipeline.query import run_query
-from pipeline.archive import FingerprintMismatch
-from pipeline.safety import UnsafePath
-from schemas.answers import validate_answers_table
+from notebank.pipeline.config import DemoConfig, IngestJobConfig, QueryJobConfig, build
+from notebank.pipeline.ingest import run_ingest
+from notebank.pipeline.onepass import run_onepass
+from notebank.pipeline.query import run_query
+from notebank.pipeline.archive import FingerprintMismatch
+from notebank.pipeline.safety import UnsafePath
+from notebank.schemas.answers import validate_answers_table
 
 
 def read_answers(folder):

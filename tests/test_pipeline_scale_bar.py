@@ -59,3 +59,20 @@ def test_130_documents_through_jobs_ingest_and_query(ray_session, tmp_path):
     answers = pds.dataset(str(tmp_path / "answers"), format="parquet").to_table()
     assert answers.num_rows == N_DOCS and q["questions_ok"] == N_DOCS
     assert set(answers.column("status").to_pylist()) == {"ok"}
+
+    # The same archive from a notebook, in the README's three lines: the documents, their decoded
+    # notes, and an answer equal to the query job's (same memory, same read settings).
+    import nbcore
+    arc = nbcore.open_archive(str(out), model=str(REPO / "models/tiny-gdn"))
+    listed = arc.documents()
+    assert [d["doc_id"] for d in listed] == sorted(d["doc_id"] for d in docs)
+    assert all(d["n_tokens"] > 0 for d in listed)
+    by_q = {r["question_id"]: r for r in answers.to_pylist()}
+    for i in (0, 97):
+        notes_i = arc.notes(f"doc-{i:04d}")
+        assert notes_i and all(n["text"] == tok.decode(n["token_ids"]) for n in notes_i)
+        got = arc.ask(f"doc-{i:04d}", qs[i]["question"], max_new_tokens=12)
+        want = by_q[f"q-{i:04d}"]
+        assert got.answer == want["answer"] and got.retrieved == list(want["retrieved"]), (got, want)
+    with pytest.raises(KeyError, match="not in"):
+        arc.notes("no-such-doc")

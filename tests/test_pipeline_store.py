@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
-from pipeline.corpus import iter_corpus, list_shards, read_questions
-from pipeline.store import ArchiveError, ArchiveStore, FingerprintMismatch, doc_key
-from schemas.manifest import DocRecord
+from notebank.pipeline.corpus import iter_corpus, list_shards, read_questions
+from notebank.pipeline.store import ArchiveError, ArchiveStore, FingerprintMismatch, doc_key
+from notebank.schemas.manifest import DocRecord
 
 
 def test_doc_key_rejects_escapes_and_quotes_the_rest():

@@ -29,7 +29,7 @@ import pytest
 
 from conftest import REPO, TINY_MODEL, TINY_NB, write_jsonl
 from nbcore.testing import needle_text
-from pipeline.store import ArchiveStore
+from notebank.pipeline.store import ArchiveStore
 
 pytestmark = pytest.mark.slow
 

@@ -122,8 +122,47 @@ def test_notebank_answer_replays_notes_and_leaves_state_untouched(bb, doc):
     qi = torch.tensor(bb.tokenizer(q, add_special_tokens=False)["input_ids"])
     logits = bb.forward(s, qi)
     assert bb.generate(s, logits, 4) == ans.token_ids
-    # positions continue from the context end (hybrid KV length grows accordingly)
-    assert s.n_tokens == res.n_tokens + ans.replay_len + len(qi) + len(ans.token_ids) - 1
+
+
+def test_notebank_answer_positions_continue_from_the_context_end(bb, doc, monkeypatch):
+    """Replay, question and answer tokens are read at positions T, T+1, ... right after the
+    context (App. B.4), from the retained state of a real ingest: the state answer() generates
+    from, and the logits it generates with, equal ONE forward pass without cache over
+    context + replay + question (+ answer, teacher-forced). On the hybrid a restart of the RoPE
+    positions or of the KV cache changes these logits; on all families a replay read from
+    another state than S_T does."""
+    text, needles = doc
+    res = ingest(bb, text, CFG)
+    seen = {}
+    real_generate = bb.generate
+
+    def observe(state, first_logits, *args, **kwargs):       # the real generate, observed at entry
+        seen["state"] = bb.copy_state(state)
+        seen["logits"] = first_logits.clone()
+        return real_generate(state, first_logits, *args, **kwargs)
+
+    monkeypatch.setattr(bb, "generate", observe)
+    q = f"What is the special magic number for {needles[0][0]}?"
+    ans = answer(bb, res.state, res.archive, q, ReadConfig(top_r=2, max_new_tokens=4, stop_at_eos=False))
+    monkeypatch.undo()
+    assert ans.replay_len > 0 and len(ans.token_ids) == 4
+    replay = np.concatenate([res.archive.token_ids[i] for i in ans.retrieved]).astype(np.int64)
+    qi = np.asarray(bb.tokenizer(q, add_special_tokens=False)["input_ids"], np.int64)
+    prompt = np.concatenate([res.token_ids, replay, qi])
+    n_prompt = len(prompt)
+    assert n_prompt == res.n_tokens + ans.replay_len + ans.n_question_tokens
+    # the state the read path produced sits at the end of the prompt (KV rows = positions on the hybrid)
+    st = seen["state"]
+    assert st.n_tokens == n_prompt
+    kv = [v for k, v in bb.state_to_tensors(st).items() if k.endswith(".keys")]
+    assert (len(kv) > 0) == (len(bb.rec_layers) < bb.model.config.num_hidden_layers)   # hybrid: attention KV
+    assert all(v.shape[-2] == n_prompt for v in kv)
+    # ... and reads exactly as one pass over the concatenation does
+    full = torch.from_numpy(np.concatenate([prompt, np.asarray(ans.token_ids[:-1], np.int64)]))
+    with torch.no_grad():
+        ref = bb.model(input_ids=full[None], use_cache=False).logits[0, n_prompt - 1:].float()
+    assert torch.allclose(seen["logits"], ref[0], atol=1e-4), float((seen["logits"] - ref[0]).abs().max())
+    assert ref.argmax(-1).tolist() == ans.token_ids               # greedy decode continues the positions too
 
 
 def test_empty_archive_means_no_probe_no_replay(bb):

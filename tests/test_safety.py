@@ -14,7 +14,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from pipeline.safety import (LEASE_NAME, Lease, OutputBusy, UnsafePath, acquire_lease, check_no_escape,
+from notebank.pipeline.safety import (LEASE_NAME, Lease, OutputBusy, UnsafePath, acquire_lease, check_no_escape,
                              check_query_output)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_stale_by_dead_pid_is_taken_over(root, caplog):
     pid = dead_pid()
     old = foreign_record(pid=pid)
     write_record(root, old)
-    with caplog.at_level(logging.WARNING, logger="pipeline.safety"):
+    with caplog.at_level(logging.WARNING, logger="notebank.pipeline.safety"):
         lease = acquire_lease(root, INFO)
     assert lease.run_id != old["run_id"] and lease_record(root)["run_id"] == lease.run_id
     assert any("stale" in r.getMessage() and f"pid {pid}" in r.getMessage() for r in caplog.records)
@@ -107,7 +107,7 @@ def test_dead_pid_on_another_host_is_not_stale(root):
 def test_stale_by_heartbeat(root, caplog):
     old = foreign_record(host="some-other-host", pid=1, heartbeat_unix=time.time() - 1000)
     write_record(root, old)
-    with caplog.at_level(logging.WARNING, logger="pipeline.safety"):
+    with caplog.at_level(logging.WARNING, logger="notebank.pipeline.safety"):
         lease = acquire_lease(root, INFO, ttl_s=600)
     assert lease_record(root)["run_id"] == lease.run_id
     assert any("heartbeat" in r.getMessage() for r in caplog.records)
@@ -156,7 +156,7 @@ def test_ttl_must_be_positive(tmp_path):
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from pipeline.safety import acquire_lease
+    from notebank.pipeline.safety import acquire_lease
     lease = acquire_lease({root!r}, {{"job": "holder", "command": "holder.py --sleep"}})
     print("HELD", lease.run_id, flush=True)
     time.sleep(120)
@@ -192,7 +192,7 @@ def test_racing_processes_exactly_one_wins(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from pipeline.safety import acquire_lease, OutputBusy
+        from notebank.pipeline.safety import acquire_lease, OutputBusy
         while time.time() < float(sys.argv[1]): pass
         try:
             acquire_lease({root_url!r}, {{}}); print("WON", flush=True); time.sleep(3)

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from schemas import answers, inputs, manifest, notes
-from schemas._base import SchemaError, parquet_bytes_to_table, read_parquet_url, schema_meta, table_to_parquet_bytes
+from notebank.schemas import answers, inputs, manifest, notes
+from notebank.schemas._base import SchemaError, parquet_bytes_to_table, read_parquet_url, schema_meta, table_to_parquet_bytes
 
 
 def _notes_table(n=3, j=4, d=8, doc_id="doc-1"):

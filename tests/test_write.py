@@ -3,10 +3,14 @@ import numpy as np
 import pytest
 import torch
 
+from nbcore import ingest, load_backbone
+from nbcore.backbones import RawTap
 from nbcore.config import NoteBankConfig
-from nbcore.notebank.features import (ChunkReducer, chunk_distinctiveness, compact, projection_coords,
-                                      reference_features)
+from nbcore.notebank.features import (ChunkReducer, chunk_distinctiveness, compact, l2_normalize,
+                                      projection_coords, reference_features)
 from nbcore.notebank.write import ArchiveWriter, assign_addresses, best_window, select_spans, span_from_window
+from nbcore.reader import coords_for, encode_context
+from nbcore.testing import byte_tokenizer, tiny_gdn_config
 
 
 # ---- Eq. 3 / 8 ------------------------------------------------------------------------------
@@ -58,6 +62,12 @@ def test_projection_is_seeded_distinct_and_selects_coordinates():
     assert all(len(set(row.tolist())) == 16 for row in P)
     assert torch.equal(P, projection_coords(5, 32, 16, seed=3))
     assert not torch.equal(P, projection_coords(5, 32, 16, seed=4))
+    # drawn per channel: every channel has its own selection (as a set, not only as an order)
+    assert len({tuple(sorted(row.tolist())) for row in P}) == 5
+    assert all(not torch.equal(P[i], P[j]) for i in range(5) for j in range(i + 1, 5))
+    same = torch.randn(3, 1, 32, generator=torch.Generator().manual_seed(0)).expand(3, 5, 32)  # one query, every channel
+    cq = compact(same, P)
+    assert all(not torch.equal(cq[:, i], cq[:, j]) for i in range(5) for j in range(i + 1, 5))
     q = torch.arange(2 * 5 * 32).float().reshape(2, 5, 32)
     out = compact(q, P)
     assert out[1, 2, 7] == q[1, 2, P[2, 7]]
@@ -156,7 +166,8 @@ def test_feed_block_size_does_not_change_archive():
     assert np.array_equal(a.starts, b.starts) and torch.equal(a.addresses, b.addresses)
 
 
-def test_tail_keeps_original_scores_and_queries():
+def test_tail_region_on_hand_scores():
+    """The tail rule on hand-made scores (the real path: test_tail_keeps_original_scores_and_queries)."""
     cfg = NoteBankConfig(chunk_size=64, write_budget=1, note_budget=4, window=4, tail=8, addr_dim=4)
     dist = torch.zeros(128, 3)
     dist[60:62] = 10.0                             # in chunk 0's last 8 tokens
@@ -167,6 +178,58 @@ def test_tail_keeps_original_scores_and_queries():
     assert 56 <= arc.starts[1] <= 60 < arc.ends[1]
     t_star = 60                                    # first max of dist in the note, every channel
     assert torch.equal(arc.addresses[1], qc[t_star].to(torch.bfloat16))
+
+
+def _region_notes(dist, qc, sent, cfg, T, tail_dist=None):
+    """The archive App. B.2 prescribes, chunk by chunk, from per-token features of the whole
+    document: region of chunk c = its `tail` predecessors + its C tokens, rows as given
+    (tail_dist(c) -> [tail, J]: other scores for chunk c's tail rows)."""
+    C, out = cfg.chunk_size, []
+    for c in range(T // C):
+        lo, hi = max(0, c * C - cfg.tail), (c + 1) * C
+        d = dist[lo:hi]
+        if c and tail_dist is not None:
+            d = torch.cat([tail_dist(c), dist[c * C:hi]])
+        for s, e in select_spans(d.mean(1).double().numpy(), sent[lo:hi], cfg.write_budget,
+                                 cfg.note_budget, cfg.window):
+            out.append((lo + s, lo + e, c, assign_addresses(d, qc[lo:hi], s, e)))
+    return out
+
+
+def test_tail_keeps_original_scores_and_queries():
+    """Through the real writer path (tiny GDN backbone -> ChunkReducer -> ArchiveWriter, one
+    backbone call per chunk, so the tail's features come from the PREVIOUS call): the tail of
+    chunk c-1 joins chunk c's candidate region with the scores and compacted queries it got in
+    its own chunk (distinctiveness against chunk c-1's mean key). Reference: one whole-document
+    capture, every token scored within its own chunk, regions built by hand."""
+    bb = load_backbone(tiny_gdn_config(), tokenizer=byte_tokenizer())
+    cfg = NoteBankConfig(chunk_size=64, write_budget=1, note_budget=12, window=4, tail=24, addr_dim=8)
+    C, r = cfg.chunk_size, cfg.tail
+    g = np.random.default_rng(0)
+    text = "".join(g.choice(list("abcdefghij klmnop. qrstuvwxyz!\n")) for _ in range(10 * C))
+    arc = ingest(bb, text, cfg, block_size=C).archive
+    ids, sent = encode_context(bb, text)
+    T = len(ids)
+    tap = RawTap(len(bb.rec_layers))
+    bb.forward(bb.new_state(), torch.from_numpy(ids), tap=tap)
+    q, k = tap.result()
+    dist, qc = reference_features(q, k, coords_for(bb, cfg), C)
+    want = _region_notes(dist, qc, sent, cfg, T)
+    assert [(int(s), int(e), int(c)) for s, e, c in zip(arc.starts, arc.ends, arc.chunk_index)] == \
+        [w[:3] for w in want]
+    assert all(torch.equal(arc.addresses[i], w[3]) for i, w in enumerate(want))
+    # The document exercises the rule: a later chunk writes a note that lies inside its tail, so
+    # every address row of that note is a tail query from the previous backbone call ...
+    assert any(c > 0 and e <= c * C for _, e, c, _ in want)
+    # ... and a writer that re-scored the tail inside chunk c (against chunk c's mean key instead
+    # of chunk c-1's) would write other notes.
+    kh = l2_normalize(k)
+
+    def rescored(c):
+        mu = l2_normalize(kh[c * C:(c + 1) * C].mean(0))                       # [J, d]
+        return 1.0 - torch.einsum("tjd,jd->tj", kh[c * C - r:c * C], mu)
+    other = _region_notes(dist, qc, sent, cfg, T, tail_dist=rescored)
+    assert [w[:3] for w in other] != [w[:3] for w in want]
 
 
 def test_writer_rejects_bad_config():

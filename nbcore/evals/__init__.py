@@ -1,15 +1,25 @@
-"""Benchmark scoring for NoteBank evaluations (paper App. C.2).
+"""Benchmarks of the NoteBank evaluations (paper App. C.2): examples, per-example evaluation, metrics.
 
-* :mod:`nbcore.evals.metrics` - answer metrics reimplemented from the official sources
-  (LongBench ``qa_f1_score``/``rouge_score``/``classification_score``, LongBench v2's answer
-  parser, MemoryAgentBench's ``substring_exact_match``).
-* :mod:`nbcore.evals.longbench` - LongBench v1 prompts, generation budgets, per-dataset scores,
-  category/overall macro-averages, seeded subsets and the JSONL loader; LongBench v2 0-shot prompt,
-  parser, accuracy, the fits-in-budget filter and the ``data.json`` loader.
-* :mod:`nbcore.evals.memoryagentbench` - parquet/JSON loaders, query prompts and accuracy.
+Every benchmark implements one interface, :class:`nbcore.evals.base.Benchmark` (``examples()``,
+``evaluate(model, item, methods)``, ``score(item, prediction, answers)``), and is found by name:
 
-Importing this package pulls in only the standard library (fsspec/pyarrow load on first use).
+* ``ruler`` - :mod:`nbcore.evals.ruler` (RULER tasks of :mod:`nbcore.tasks.ruler`);
+* ``longbench``, ``longbench_v2`` - :mod:`nbcore.evals.longbench`: LongBench v1 prompts, generation
+  budgets, per-dataset scores, category/overall macro-averages, seeded subsets and the JSONL loader;
+  LongBench v2 0-shot prompt, parser, accuracy, the fits-in-budget filter and the ``data.json`` loader;
+* ``memoryagentbench`` - :mod:`nbcore.evals.memoryagentbench`: parquet/JSON loaders, query prompts, accuracy;
+* ``mone`` - :mod:`nbcore.evals.mone`: MoNe vs ICL vs RAG on RULER (:mod:`nbcore.mone.evaluation`).
+
+Shared pieces: :mod:`nbcore.evals.methods` (the method names - plain, jrt, clean-start,
+nb-<router>-top<R>[-reset] - and the ingest-once / answer-every-method harness) and
+:mod:`nbcore.evals.metrics` (answer metrics reimplemented from the official sources: LongBench
+``qa_f1_score``/``rouge_score``/``classification_score``, LongBench v2's answer parser,
+MemoryAgentBench's ``substring_exact_match``). Reports and plots live in ``pipeline/reporting``;
+nothing here imports ray or pipeline.
+
+The modules here import torch, transformers, fsspec and pyarrow only inside the functions that use them.
 """
+from nbcore.evals.base import Benchmark, benchmark_names, build_benchmark, get_benchmark, register
 from nbcore.evals.metrics import (
     classification_score,
     extract_choice,
@@ -21,6 +31,11 @@ from nbcore.evals.metrics import (
 )
 
 __all__ = [
+    "Benchmark",
+    "register",
+    "get_benchmark",
+    "build_benchmark",
+    "benchmark_names",
     "normalize_answer",
     "qa_f1_score",
     "rouge_l_f",

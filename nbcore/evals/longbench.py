@@ -1,4 +1,5 @@
-"""LongBench v1 (12 English subsets) and LongBench v2: prompts, scoring, loaders, subsets.
+"""LongBench v1 (12 English subsets) and LongBench v2: prompts, scoring, loaders, subsets, and the
+two benchmarks (:class:`LongBench`, :class:`LongBenchV2`; ``nbcore.evals.base``).
 
 Reimplemented from THUDM/LongBench (commit 2e00731): ``LongBench/config/dataset2prompt.json``,
 ``LongBench/config/dataset2maxlen.json``, ``LongBench/eval.py``, ``LongBench/pred.py`` (v1);
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from nbcore.evals.base import Benchmark, register
+from nbcore.evals.methods import answer_methods, qa_rows
 from nbcore.evals.metrics import (
     choice_accuracy,
     classification_score,
@@ -65,6 +69,10 @@ __all__ = [
     "filter_fits",
     "select_v2",
     "load_longbench_v2",
+    "capped",
+    "v1_category",
+    "LongBench",
+    "LongBenchV2",
 ]
 
 # ----------------------------------------------------------------------------- v1 configuration
@@ -514,3 +522,139 @@ def load_longbench_v2(source: str) -> list[dict]:
         if r["answer"] not in ("A", "B", "C", "D"):
             raise ValueError(f"{path}: record {i} has answer {r['answer']!r}, expected one of A-D")
     return rows
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def capped(n: int, cap: int | None) -> int:
+    """Generation budget: the official ``n``, or ``cap`` when it is smaller."""
+    return n if cap is None else min(n, cap)
+
+
+def v1_category(dataset: str) -> str:
+    """The paper's category of a v1 dataset (:data:`CATEGORIES`)."""
+    return next(c for c, names in CATEGORIES.items() if dataset in names)
+
+
+@register
+@dataclass
+class LongBench(Benchmark):
+    """LongBench v1: the paper's 12 English subsets, a fixed seeded subset of each (App. C.2).
+
+    Item: ``{"dataset", "index" (file row), "id", "example" (the published record)}``. The native
+    prompt is cut right after the context: the head (instruction + context) is ingested, the rest
+    is the question; official middle truncation of the whole prompt to ``max_length`` model tokens
+    (None: never), no chat template, official max new tokens (``max_new_tokens_cap``: CI only).
+    """
+
+    name = "longbench"
+
+    source: str | None = None           # dir (local or fsspec URL) with {dataset}.jsonl or data/{dataset}.jsonl
+    datasets: list[str] = field(default_factory=lambda: list(V1_DATASETS))
+    n_examples: int = 30                # per subset, chosen by `seed`, shared by every method (paper: 30)
+    max_length: int | None = None       # official middle truncation of the prompt (model tokens); None: never
+    seed: int = 0
+    max_new_tokens_cap: int | None = None
+
+    def examples(self, tokenizer=None) -> Iterator[dict]:
+        for ds in self.datasets:
+            rows = load_longbench(self.source, ds)
+            for i, ex in select_subset(list(enumerate(rows)), self.n_examples, self.seed):
+                yield {"dataset": ds, "index": i, "id": str(ex.get("_id", i)), "example": ex}
+
+    def max_new_tokens(self, item: dict) -> int:
+        return capped(max_new_tokens(item["dataset"]), self.max_new_tokens_cap)
+
+    def score(self, item: dict, prediction: str, answers: Sequence) -> float:
+        return 100.0 * score_prediction(item["dataset"], prediction, answers, item["example"].get("all_classes"))
+
+    def evaluate(self, model, item: dict, methods: Sequence[str], *, notebank=None,
+                 block_size: int = 65536) -> list[dict]:
+        ds, ex = item["dataset"], item["example"]
+        head, question = split_prompt(ds, ex)
+        head, question, cut = truncate_middle(model.tokenizer, head, question, self.max_length)
+        stop = ("\n",) if ds == "samsum" else ()          # pred.py: samsum also stops at a newline
+        gold = [list(ex["answers"])]
+        budget = self.max_new_tokens(item)
+        rows = qa_rows(answer_methods(model, head, [question], gold, list(methods), _nb(notebank),
+                                      max_new_tokens=budget, stop=stop, block_size=block_size), gold)
+        for r in rows:
+            r.update(category=v1_category(ds), truncated=cut, parsed=None,
+                     score=self.score(item, r["prediction"], ex["answers"]))
+            r.update(benchmark=self.name, dataset=ds, id=item["id"], index=item["index"], max_new_tokens=budget)
+        return rows
+
+
+@register
+@dataclass
+class LongBenchV2(Benchmark):
+    """LongBench v2: 0-shot multiple choice, kept only where the whole prompt fits (App. C.2).
+
+    Item: ``{"index", "id", "head", "question", "answer", "domain"}``, the official 0-shot prompt
+    (chat template when the tokenizer has one) cut right after the context. Never truncated: an
+    example is kept only if its full prompt + replay reserve + generation fits ``position_budget``
+    (counted with the backbone's tokenizer, so ``examples`` needs it).
+    """
+
+    name = "longbench_v2"
+
+    source: str | None = None           # data.json / .jsonl file or a dir holding data.json
+    paper_subset: bool = True           # the paper's domains (single-/multi-doc QA, dialogue history, user guides)
+    n_examples: int | None = None       # after the fit filter, chosen by `seed`; None: all that fit
+    position_budget: int = 131072       # positions the backbone may use (prompt + replay + generation)
+    replay_reserve: int = 0             # replayed tokens reserved (the job: max over methods of top_R x B)
+    max_new_tokens: int = V2_MAX_NEW_TOKENS
+    chat_template: bool = True          # apply the tokenizer's chat template when it has one
+    seed: int = 0
+    max_new_tokens_cap: int | None = None
+
+    def candidates(self) -> list[tuple[int, dict]]:
+        """[(file index, record)] of the paper subset (domains) when ``paper_subset``, else all."""
+        rows = list(enumerate(load_longbench_v2(self.source)))
+        return [(i, r) for i, r in rows if select_v2([r])] if self.paper_subset else rows
+
+    def select(self, tokenizer, candidates: list[tuple[int, dict]] | None = None) -> tuple[list[dict], dict]:
+        """-> (items that fit, {"candidates", "kept", "dropped", "position_budget", "replay_reserve"})."""
+        rows = self.candidates() if candidates is None else candidates
+        max_new = capped(self.max_new_tokens, self.max_new_tokens_cap)
+        prompts = [chat_prompt(tokenizer, build_prompt_v2(r), self.chat_template) for _, r in rows]
+        kept = [(i, r, p) for (i, r), p in zip(rows, prompts)
+                if fits_in_budget(len(tokenizer(p)["input_ids"]), position_budget=self.position_budget,
+                                  replay_reserve=self.replay_reserve, max_new_tokens=max_new)]
+        dropped = len(rows) - len(kept)
+        if self.n_examples is not None:
+            kept = select_subset(kept, self.n_examples, self.seed)
+        items = []
+        for i, ex, prompt in kept:
+            head, question = split_at_context(prompt, ex["context"])
+            items.append({"index": i, "id": str(ex["_id"]), "head": head, "question": question,
+                          "answer": ex["answer"], "domain": ex["domain"]})
+        return items, {"candidates": len(rows), "kept": len(kept), "dropped": dropped,
+                       "position_budget": self.position_budget, "replay_reserve": self.replay_reserve}
+
+    def examples(self, tokenizer=None) -> list[dict]:
+        if tokenizer is None:
+            raise ValueError("LongBench v2 counts prompt tokens: examples() needs the model's tokenizer")
+        return self.select(tokenizer)[0]
+
+    def score(self, item: dict, prediction: str, answers: Sequence) -> float:
+        return 100.0 * (parse_choice(prediction) == item["answer"])
+
+    def evaluate(self, model, item: dict, methods: Sequence[str], *, notebank=None,
+                 block_size: int = 65536) -> list[dict]:
+        gold = [[item["answer"]]]
+        budget = capped(self.max_new_tokens, self.max_new_tokens_cap)
+        rows = qa_rows(answer_methods(model, item["head"], [item["question"]], gold, list(methods), _nb(notebank),
+                                      max_new_tokens=budget, block_size=block_size), gold)
+        for r in rows:
+            r.update(category=item["domain"], truncated=False, parsed=parse_choice(r["prediction"]))
+            r["score"] = self.score(item, r["prediction"], [item["answer"]])
+            r.update(benchmark=self.name, dataset=self.name, id=item["id"], index=item["index"],
+                     max_new_tokens=budget)
+        return rows
+
+
+def _nb(notebank):
+    from nbcore.config import NoteBankConfig
+    return notebank or NoteBankConfig()

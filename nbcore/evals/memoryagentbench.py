@@ -1,4 +1,5 @@
-"""MemoryAgentBench (HUST-AI-HYZ/MemoryAgentBench): loaders, query prompts and accuracy.
+"""MemoryAgentBench (HUST-AI-HYZ/MemoryAgentBench): loaders, query prompts, accuracy, and the
+benchmark (:class:`MemoryAgentBench`; ``nbcore.evals.base``).
 
 Reimplemented from the official repository (``utils/eval_data_utils.py``, ``utils/templates.py``,
 ``utils/eval_other_utils.py``, ``configs/data_conf/*``). The paper (App. C.2) evaluates 11
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from nbcore.evals.base import Benchmark, register
+from nbcore.evals.methods import answer_methods, qa_rows
 from nbcore.evals.metrics import max_over_ground_truths, parse_output, substring_exact_match
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "score_answer",
     "accuracy",
     "load_memoryagentbench",
+    "split_of",
+    "MemoryAgentBench",
 ]
 
 SPLITS = ("Accurate_Retrieval", "Conflict_Resolution", "Test_Time_Learning", "Long_Range_Understanding")
@@ -253,3 +258,68 @@ def load_memoryagentbench(
     if max_samples is not None:
         out = out[:max_samples]
     return out
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def split_of(config: str) -> str:
+    """HF split holding a MemoryAgentBench configuration (``metadata.source``)."""
+    if config in PAPER_SOURCES:
+        return PAPER_SOURCES[config]
+    return "Conflict_Resolution" if task_family(config) == "factconsolidation" else "Accurate_Retrieval"
+
+
+@register
+@dataclass
+class MemoryAgentBench(Benchmark):
+    """MemoryAgentBench: one context, many questions (ingest once, answer each from a copy).
+
+    Item: ``{"dataset" (configuration), "index", "id", "context", "questions", "answers"}``; each
+    question is the official long-context-agent query; rows record the ingest time amortised over
+    the context's questions.
+    """
+
+    name = "memoryagentbench"
+
+    source: str | None = None           # HF layout dir (data/{split}-*.parquet) or one parquet/JSON(L) file
+    configs: list[str] = field(default_factory=lambda: list(PAPER_SOURCES))   # metadata.source names
+    max_samples: int | None = None      # contexts per configuration (official max_test_samples); None: all
+    max_questions: int | None = None    # questions per context (first ones); None: all
+    max_new_tokens_cap: int | None = None
+
+    def examples(self, tokenizer=None) -> Iterator[dict]:
+        fs, p = _fs(str(self.source))
+        if not fs.exists(p):
+            raise FileNotFoundError(f"{self.source} not found; expected the HF layout "
+                                    "(data/{split}-00000-of-00001.parquet) or one parquet/JSON/JSONL file")
+        is_dir = fs.isdir(p)
+        loaded = {c: load_memoryagentbench(self.source, split=split_of(c) if is_dir else None, sources=[c],
+                                           max_samples=self.max_samples) for c in self.configs}
+        for conf, samples in loaded.items():
+            for i, s in enumerate(samples):
+                n_q = len(s) if self.max_questions is None else min(len(s), self.max_questions)
+                yield {"dataset": conf, "index": i, "id": f"{conf}-{i}", "context": s.context,
+                       "questions": s.questions[:n_q], "answers": s.answers[:n_q]}
+
+    def max_new_tokens(self, item: dict) -> int:
+        n = generation_max_length(item["dataset"])
+        return n if self.max_new_tokens_cap is None else min(n, self.max_new_tokens_cap)
+
+    def score(self, item: dict, prediction: str, answers: Sequence) -> float:
+        return 100.0 * score_answer(item["dataset"], prediction, answers)
+
+    def evaluate(self, model, item: dict, methods: Sequence[str], *, notebank=None,
+                 block_size: int = 65536) -> list[dict]:
+        from nbcore.config import NoteBankConfig
+        ds = item["dataset"]
+        queries = [build_query(ds, q) for q in item["questions"]]
+        budget = self.max_new_tokens(item)
+        rows = qa_rows(answer_methods(model, item["context"], queries, item["answers"], list(methods),
+                                      notebank or NoteBankConfig(), max_new_tokens=budget,
+                                      block_size=block_size), item["answers"])
+        for r in rows:
+            r.update(category=task_family(ds), truncated=False, parsed=None,
+                     score=self.score(item, r["prediction"], r["answers"]))
+            r.update(benchmark=self.name, dataset=ds, id=item["id"], index=item["index"], max_new_tokens=budget)
+        return rows

@@ -46,12 +46,12 @@ class MoNeConfig:
     mem_heads: int = 4              # paper: 4 heads (d_h = 224 for Qwen2.5-0.5B)
     mem_ffn: int = 0                # hidden width F per head; 0 -> D (three D x D matrices)
     lora_rank: int = 16             # paper: 128 for 0.5B
-    lora_alpha: float = 16.0
+    lora_alpha: float = 16.0        # LoRA scaling alpha
     lr_init: float = 1.0            # softplus(bias) at init
     beta_init: float = 0.5          # sigmoid(bias) at init
     gate_init: float = 1.0          # read gate scale at init
     key_rope: bool = True           # segment-local RoPE on memory keys / read queries
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0     # RoPE base of the memory keys
     rho: float = 0.0                # channel norm after each update; 0 -> sqrt(D)
     seed: int = 0                   # W_0 seed
     write_batch: int = 8            # segments per frozen forward call during ingest

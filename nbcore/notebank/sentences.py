@@ -4,7 +4,9 @@ App. B.2 splits "the observed text at sentence-final punctuation and line breaks
 paper leaves open (documented here, tested in tests/test_sentences.py):
 - Sentence-final characters: '.', '!', '?', '…' when followed by whitespace, end of text or a
   closing quote/bracket (so "3.14", "e.g.x" and uuids do not split); CJK '。', '！', '？' always;
-  every line break '\n' always.
+  every line break '\n' always. Closing quotes/brackets: " ' ” ’ ) ] } and their full-width/CJK
+  forms 」 』 ） ］ ｝ 】 〕 〉 》 ＂ ＇ (e.g. 「OK.」 splits after the '.'). A closer is not itself a
+  boundary: where it is its own token it opens the next sentence (next rule).
 - The last token starting at or before a boundary character ends its sentence; the next token
   starts a new sentence.
 """
@@ -14,7 +16,7 @@ import re
 
 import numpy as np
 
-_FINAL = re.compile(r"[.!?…](?=[\s\"'”’)\]}]|$)|[。！？]|\n")
+_FINAL = re.compile(r"[.!?…](?=[\s\"'”’)\]}」』）］｝】〕〉》＂＇]|$)|[。！？]|\n")
 
 
 def boundary_chars(text: str) -> np.ndarray:

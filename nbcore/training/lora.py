@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nbcore.config import NoteBankConfig, ReadConfig
+from nbcore.lora import LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +54,34 @@ class BadExample(ValueError):
 
 @dataclass
 class LoraTrainConfig:
-    """App. C.4 defaults. `nb` = NoteBankConfig fields; `lora` = LoraSpec fields."""
+    """NB-LoRA training (App. C.4 defaults). This dataclass is the `train:` section of
+    jobs/train_lora.py's config itself (no copy of it there)."""
 
-    updates: int = 600
-    examples_per_update: int = 4
-    lr: float = 5e-4
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    seed: int = 0
-    max_answer_tokens: int = 47
+    updates: int = 600             # AdamW updates
+    examples_per_update: int = 4   # examples accumulated per update (global over workers)
+    lr: float = 5e-4               # AdamW learning rate
+    weight_decay: float = 0.01     # AdamW weight decay
+    clip: float = 1.0              # gradient-norm clip
+    seed: int = 0                  # adapter init and example order
+    max_answer_tokens: int = 47    # answer tokens trained on (+ EOS)
     replay: bool = True            # False: plain-LoRA control (adapters trained without NoteBank)
     top_r: int = 2                 # R (paper trains separate adapters for R = 1 and 2)
-    router: str = "native"
+    router: str = "native"         # router choosing the replayed notes (ReadConfig.router)
     lam: float | None = None       # state rescale before replay (App. C.3; Mamba-2 uses it)
     answer_lead: str = " "         # prepended to a plain-text answer when the question does not end in whitespace
     block_size: int = 8192         # ingest block (tokens per backbone call)
-    nb: dict = field(default_factory=lambda: NoteBankConfig().to_dict())
-    lora: dict = field(default_factory=lambda: {"r": 8, "alpha": 16.0, "layers": None, "dropout": 0.0})
+    nb: NoteBankConfig = field(default_factory=NoteBankConfig)   # notes and routing, recomputed per example
+    lora: LoraSpec = field(default_factory=LoraSpec)             # adapter rank, alpha, layers, dropout
+
+    def __post_init__(self):
+        # Checkpoints and old callers hand in plain dicts (json): type them here.
+        if isinstance(self.nb, dict):
+            self.nb = NoteBankConfig(**{**NoteBankConfig().to_dict(), **self.nb})
+        if isinstance(self.lora, dict):
+            self.lora = LoraSpec(**self.lora)
 
     def nb_config(self) -> NoteBankConfig:
-        return NoteBankConfig(**self.nb).validate()
+        return self.nb.validate()
 
     def validate(self) -> "LoraTrainConfig":
         for name in ("updates", "examples_per_update", "max_answer_tokens", "top_r", "block_size"):
@@ -82,6 +91,7 @@ class LoraTrainConfig:
         if self.lr <= 0 or self.weight_decay < 0 or self.clip <= 0:
             raise ValueError("lr and clip must be > 0, weight_decay >= 0")
         self.nb_config()
+        self.lora.validate()
         ReadConfig(method="notebank", top_r=self.top_r, router=self.router, lam=self.lam).validate()
         return self
 
@@ -94,10 +104,7 @@ class LoraTrainConfig:
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown LoraTrainConfig keys: {sorted(extra)}")
-        out = cls(**d)
-        if "nb" in d:
-            out.nb = {**NoteBankConfig().to_dict(), **d["nb"]}
-        return out
+        return cls(**d)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,22 +37,22 @@ TASK_ALIASES = {"s_niah": "niah_single_1", "mk_niah": "niah_multikey_1", "fwe": 
 
 @dataclass
 class MetaTrainConfig:
-    tasks: tuple = ("s_niah", "mk_niah", "fwe")
-    min_segments: int = 2
-    max_segments: int = 8
-    batch_size: int = 4
-    max_steps: int = 100000
+    tasks: tuple = ("s_niah", "mk_niah", "fwe")   # RULER niah_single_1, niah_multikey_1, fwe (train-split keys)
+    min_segments: int = 2           # contexts of min..max segments of T tokens
+    max_segments: int = 8           # (T = mone.segment_len)
+    batch_size: int = 4             # contexts per step
+    max_steps: int = 100000         # step budget
     minutes: float = 30.0           # wall budget (stops at whichever of steps / minutes first)
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    seed: int = 0
-    threads: int = 1
-    ckpt_every_s: float = 120.0
-    log_every: int = 10
-    mone: MoNeConfig = field(default_factory=lambda: MoNeConfig(segment_len=128))
+    lr: float = 3e-3                # AdamW peak learning rate (cosine to min_lr_frac)
+    min_lr_frac: float = 0.1        # final lr / peak lr
+    warmup_steps: int = 50          # linear warm-up steps
+    weight_decay: float = 0.0       # AdamW weight decay
+    clip: float = 1.0               # gradient-norm clip
+    seed: int = 0                   # data and init seed
+    threads: int = 1                # torch threads
+    ckpt_every_s: float = 120.0     # seconds between checkpoints (run_dir/ckpt.pt)
+    log_every: int = 10             # steps between log lines
+    mone: MoNeConfig = field(default_factory=lambda: MoNeConfig(segment_len=128))   # the memory's shape
 
 
 # ------------------------------------------------------------------------------------------------

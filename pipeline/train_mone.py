@@ -1,0 +1,249 @@
+"""MoNe meta-training on a frozen Qwen2-family base (optionally under Ray Train), its evaluation
+against ICL and RAG, diagnostics and a cost scan: the runner of jobs/train_mone.py.
+
+The job config embeds nbcore's MetaTrainConfig (with its MoNeConfig) directly as `train:`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbcore.training.mone import MetaTrainConfig
+from notebank.pipeline.config import ConfigError, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+# glibc malloc without mmap/trim thresholds: RSS then follows live memory (the cost scan measures it)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+_MALLOC = MALLOC_ENV
+ACTIONS = ("train", "ray", "eval", "diagnostics", "cost")
+
+
+@dataclass
+class MoneEvalSpec:
+    """What `action: eval | diagnostics | cost` measures."""
+
+    out_dir: str = "bench/results/mone"          # results folder (summary.json, details_*.json, cost.json)
+    tasks: list[str] = field(default_factory=lambda: ["s_niah", "mk_niah", "fwe"])   # RULER task aliases
+    lengths: list[int] = field(default_factory=lambda: [1024, 8192])                 # context lengths (tokens)
+    methods: list[str] = field(default_factory=lambda: ["mone", "icl", "rag"])       # mone | icl | rag
+    n: int = 30                                  # examples per (task, length, method)
+    rag_k: list[int] = field(default_factory=lambda: [1, 4, 8])   # RAG top-K tried; the best K is reported
+    seed: int = 0                                # example generation seed
+    diagnostics_n: int = 10                      # action: diagnostics: examples per cell
+
+
+@dataclass
+class TrainMoneJobConfig:
+    """jobs/train_mone.py"""
+
+    action: str = "train"                        # train (plain loop) | ray (Ray Train, 1 worker) | eval |
+                                                 # diagnostics | cost
+    base: str = "models/tiny-qwen2"              # frozen base (HF checkpoint dir with tokenizer)
+    out: str = "models/tiny-qwen2/mone"          # meta-trained MoNe parameters (safetensors + config)
+    run_dir: str = "runs/mone"                   # checkpoint folder (rerun resumes)
+    train: MetaTrainConfig = field(default_factory=MetaTrainConfig)   # meta-training (train.mone: MoNeConfig)
+    eval: MoneEvalSpec = field(default_factory=MoneEvalSpec)
+
+    def validate(self):
+        if self.action not in ACTIONS:
+            raise ConfigError(f"action must be one of {list(ACTIONS)}, got {self.action!r}")
+        if self.train.min_segments < 1 or self.train.max_segments < self.train.min_segments:
+            raise ConfigError("train: need 1 <= min_segments <= max_segments")
+        if self.train.batch_size < 1 or self.train.max_steps < 0 or self.train.threads < 1:
+            raise ConfigError("train: batch_size and threads must be >= 1, max_steps >= 0")
+        bad = [m for m in self.eval.methods if m not in ("mone", "icl", "rag")]
+        if bad:
+            raise ConfigError(f"eval.methods: unknown {bad}; use mone, icl, rag")
+        if self.eval.n < 1:
+            raise ConfigError("eval.n must be >= 1")
+        return self
+
+    def preflight(self):
+        base = _abs(self.base)
+        if not (base / "config.json").is_file():
+            raise ConfigError(f"base: no checkpoint (config.json) at {self.base!r}")
+        needs_mone = self.action in ("diagnostics", "cost") or (self.action == "eval" and "mone" in self.eval.methods)
+        if needs_mone and not _abs(self.out).is_dir():
+            raise ConfigError(f"out: no MoNe parameters at {self.out!r} (train them first: action: train)")
+
+
+def run(cfg: TrainMoneJobConfig):
+    """Run the configured action; returns its JSON-able result."""
+    d = to_dict(cfg)
+    return {"train": train_plain, "ray": lambda c: str(train_ray(c)), "eval": run_eval,
+            "diagnostics": lambda c: run_diagnostics(c, cfg.eval.diagnostics_n), "cost": run_cost}[cfg.action](d)
+
+
+def _tc(cfg: dict):
+    from nbcore.mone.model import MoNeConfig
+    from nbcore.training.mone import MetaTrainConfig
+    tr = dict(cfg["train"])
+    tr["tasks"] = tuple(tr["tasks"])
+    return MetaTrainConfig(**{**tr, "mone": MoNeConfig(**tr["mone"])})
+
+
+def _abs(p: str) -> Path:
+    q = Path(p)
+    return q if q.is_absolute() else ROOT / q
+
+
+def train_plain(cfg: dict) -> dict:
+    from nbcore.training import mone as tm
+    return tm.train(_abs(cfg["base"]), _abs(cfg["out"]), _abs(cfg["run_dir"]), _tc(cfg),
+                    log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
+
+
+def _ray_loop(config: dict) -> None:
+    sys.path.insert(0, config["root"])
+    from ray import train as rtrain
+    from nbcore.training import mone as tm
+    cfg = config["cfg"]
+    tm.train(_abs(cfg["base"]), _abs(cfg["out"]), _abs(cfg["run_dir"]), _tc(cfg),
+             log=lambda s: print(s, flush=True), report=lambda m: rtrain.report(m))
+
+
+def train_ray(cfg: dict):
+    """Ray Train TorchTrainer wrapper around the plain loop: one CPU worker (the loop is
+    single-process; checkpoints stay in run_dir so a re-submitted job resumes)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "local"), num_cpus=2, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **_MALLOC}})
+    trainer = TorchTrainer(
+        _ray_loop, train_loop_config={"cfg": cfg, "root": str(ROOT)},
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=False,
+                                     resources_per_worker={"CPU": cfg["train"]["threads"]}),
+        run_config=RunConfig(name="train_mone", storage_path=str(_abs(cfg["run_dir"]) / "ray")))
+    return trainer.fit()
+
+
+def run_eval(cfg: dict) -> dict:
+    import torch
+    from nbcore.mone.model import MoNeModel
+    from nbcore.tasks.tokenizer import load_tokenizer
+    from nbcore.training import mone as tm
+    ev = cfg["eval"]
+    torch.set_num_threads(cfg["train"]["threads"])
+    out_dir = _abs(ev["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(_abs(cfg["base"]))
+    adapters = _abs(cfg["out"]) if "mone" in ev["methods"] else None  # icl/rag: base only
+    model = MoNeModel.from_pretrained(_abs(cfg["base"]), adapters)
+    model.eval()
+    # one details file per method, so methods can be evaluated by separate processes
+    details = {}
+    for m in ev["methods"]:
+        p = out_dir / f"details_{m}.json"
+        if p.exists():
+            details.update(json.loads(p.read_text()))
+    log = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
+    ks = ev["rag_k"] if isinstance(ev["rag_k"], list) else [ev["rag_k"]]
+    for length in ev["lengths"]:
+        for task in ev["tasks"]:
+            for method in ev["methods"]:
+                variants = [(f"rag_k{k}", k) for k in ks] if method == "rag" else [(method, 0)]
+                for name, k in variants:
+                    key = f"{name}/{task}/{length}"
+                    if key in details and details[key]["n"] >= ev["n"]:
+                        continue  # resumable
+                    details[key] = tm.evaluate(model, tok, task, length, ev["n"], method,
+                                               seed=ev["seed"], rag_k=k or 4, log=log)
+                    mine = {kk: v for kk, v in details.items()
+                            if kk.split("/")[0] == method or (method == "rag" and kk.startswith("rag_k"))}
+                    (out_dir / f"details_{method}.json").write_text(json.dumps(mine, indent=1))
+    details = {}
+    for p in sorted(out_dir.glob("details_*.json")):
+        details.update(json.loads(p.read_text()))
+    summary = {}
+    for key, r in details.items():
+        name, task, length = key.split("/")
+        method = "rag" if name.startswith("rag_k") else name
+        k = f"{method}/{task}/{length}"
+        summary[k] = max(summary.get(k, -1.0), r["score"])  # rag: best K, as in the paper
+    (out_dir / "summary.json").write_text(json.dumps(dict(sorted(summary.items())), indent=1))
+    # cost per example (first example of each cell, measured with FlopCounterMode and a 2 ms RSS
+    # sampler): test-time-learning (write) and query FLOPs, peak RSS of each phase
+    cost = {}
+    for key, r in sorted(details.items()):
+        c = r.get("cost_first_example") or {}
+        cost[key] = {k: c[k] for k in ("write_flops", "query_flops", "write_peak_rss", "write_rss_delta",
+                                      "query_peak_rss", "query_rss_delta", "context_tokens",
+                                      "query_tokens", "prompt_tokens", "memory_tokens_per_layer")
+                     if k in c}
+    (out_dir / "cost.json").write_text(json.dumps(cost, indent=1))
+    return summary
+
+
+def run_diagnostics(cfg: dict, n: int = 10) -> dict:
+    """Answer-token CE (teacher forced) with memory / question only / ICL, and BM25 recall@K."""
+    import torch
+    from nbcore.mone.model import MoNeModel
+    from nbcore.tasks.tokenizer import load_tokenizer
+    from nbcore.training import mone as tm
+    ev = cfg["eval"]
+    torch.set_num_threads(cfg["train"]["threads"])
+    tok = load_tokenizer(_abs(cfg["base"]))
+    model = MoNeModel.from_pretrained(_abs(cfg["base"]), _abs(cfg["out"])).eval()
+    res = {"n": n, "answer_ce_nats": {}, "bm25_answer_recall": {}}
+    ks = ev["rag_k"] if isinstance(ev["rag_k"], list) else [ev["rag_k"]]
+    for length in ev["lengths"]:
+        for task in ev["tasks"]:
+            key = f"{task}/{length}"
+            res["answer_ce_nats"][key] = tm.diagnostics(model, tok, task, length, n, seed=ev["seed"])
+            res["bm25_answer_recall"][key] = {f"k{k}": tm.rag_recall(tok, task, length, n, k, ev["seed"])
+                                              for k in ks}
+            print(time.strftime("%H:%M:%S"), key, res["answer_ce_nats"][key], res["bm25_answer_recall"][key],
+                  flush=True)
+    res["needle_retention_cos"] = tm.retention_probe(model, tok, max(ev["lengths"]), n=min(n, 5),
+                                                     seed=ev["seed"])
+    print(time.strftime("%H:%M:%S"), "retention", res["needle_retention_cos"], flush=True)
+    out = _abs(ev["out_dir"]) / "diagnostics.json"
+    out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def _cost_cell(cfg: dict, method: str, task: str, length: int) -> dict:
+    """One example, in a fresh process (plain glibc malloc, so RSS follows live memory):
+    baseline RSS after loading, then write (MoNe) and query peaks and FLOPs."""
+    import torch
+    from nbcore.mone.model import MoNeModel
+    from nbcore.tasks import ruler
+    from nbcore.tasks.tokenizer import load_tokenizer
+    from nbcore.training import mone as tm
+    torch.set_num_threads(1)
+    tok = load_tokenizer(_abs(cfg["base"]))
+    model = MoNeModel.from_pretrained(_abs(cfg["base"]), _abs(cfg["out"])).eval()
+    ex = ruler.generate(tm.TASK_ALIASES.get(task, task), length, 0, tok, seed=0, split="test")
+    t = time.time()
+    r = tm.run_example(model, tok, ex, method, rag_k=4, measure=True)
+    r["seconds"] = round(time.time() - t, 2)
+    r["state_bytes"] = (sum(v.numel() * v.element_size() for fw in model.fresh(1)
+                            for v in fw.tensors().values()) if method == "mone" else 0)
+    return r
+
+
+def run_cost(cfg: dict, lengths=(1024, 2048, 4096, 8192), methods=("mone", "icl"), task="s_niah") -> dict:
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in _MALLOC}
+    env["PYTHONPATH"] = str(ROOT)
+    res = {}
+    for method in methods:
+        for length in lengths:
+            code = (f"import json; from notebank.pipeline.train_mone import _cost_cell; "
+                    f"print('COST' + json.dumps(_cost_cell({cfg!r}, {method!r}, {task!r}, {length})))")
+            out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(ROOT), capture_output=True,
+                                 text=True, check=True).stdout
+            r = json.loads([ln for ln in out.splitlines() if ln.startswith("COST")][-1][4:])
+            r.pop("pred", None)
+            res[f"{method}/{task}/{length}"] = r
+            print(time.strftime("%H:%M:%S"), method, length, r, flush=True)
+    (_abs(cfg["eval"]["out_dir"]) / "cost_scaling.json").write_text(json.dumps(res, indent=1))
+    return res
+
+

@@ -1,0 +1,108 @@
+"""The job CLIs as a user meets them: `--help` lists every config key with its default and doc, and
+bad input exits 2 with one line, before Ray starts or a model loads, leaving no output behind."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from notebank.pipeline.config import config_keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout=60):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return p, time.perf_counter() - t0
+
+
+def _job_configs():
+    from notebank.pipeline.config import DemoConfig, IngestJobConfig, QueryJobConfig
+    from notebank.pipeline.train_lora import TrainLoraJobConfig
+    return {"jobs/ingest.py": IngestJobConfig, "jobs/query.py": QueryJobConfig, "jobs/run_demo.py": DemoConfig,
+            "jobs/train_lora.py": TrainLoraJobConfig}
+
+
+@pytest.mark.parametrize("job", sorted(_job_configs()))
+def test_help_lists_every_key_with_default_and_doc(job):
+    cls = _job_configs()[job]
+    p, _ = _run(job, "--help")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    keys = config_keys(cls)
+    assert len(keys) > 10
+    for key, _tp, default, doc in keys:
+        hit = [l for l in lines if l.strip().startswith(f"{key} = ")]
+        assert hit, f"{job} --help does not list {key}"
+        assert hit[0].strip().startswith(f"{key} = {default}"), hit[0]
+        assert doc, f"{cls.__name__}.{key} has no doc comment beside its field"
+        assert doc.split()[0] in hit[0], hit[0]
+    if job == "jobs/ingest.py":
+        assert any(l.strip().startswith("notebank.chunk_size = 512 ") for l in lines)
+
+
+def test_unknown_router_exits_2_fast_before_ray(tmp_path):
+    out = tmp_path / "answers"
+    p, wall = _run("jobs/query.py", "-c", "configs/query.yaml", "--set", "questions=q.jsonl", "--set", "archive=a",
+                   "--set", f"output={out}", "--set", "read.router=bm-25")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "unknown router 'bm-25'" in p.stderr and "bm25" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr           # one line, not a traceback
+    assert "Started a local Ray" not in p.stderr + p.stdout
+    assert wall < 10 and not out.exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("corpus={missing}", "corpus: {missing}: no such file or folder"),
+    ("model.path={tmp}", "has no config.json"),
+    ("model.path={missing}", "no checkpoint directory"),
+    ("limit=-1", "limit must be >= 0"),
+    ("notebank.write_budget=3", "write_budget must be 1 or 2"),
+])
+def test_bad_ingest_input_exits_2_and_leaves_nothing(tmp_path, override, message):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"doc_id": "d0", "text": "A sentence."}\n')
+    missing = tmp_path / "nope"
+    out = tmp_path / "archive"
+    fill = dict(missing=missing, tmp=tmp_path)
+    p, wall = _run("jobs/ingest.py", "-c", "configs/ingest.yaml", "--set", f"corpus={corpus}",
+                   "--set", f"output={out}", "--set", override.format(**fill))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert message.format(**fill) in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert wall < 10 and not out.exists()
+
+
+def test_query_needs_an_ingest_output(tmp_path):
+    qs = tmp_path / "q.jsonl"
+    qs.write_text('{"question_id": "q0", "doc_id": "d0", "question": "?", "answers": ["x"]}\n')
+    (tmp_path / "not-an-archive").mkdir()
+    out = tmp_path / "answers"
+    p, _ = _run("jobs/query.py", "-c", "configs/query.yaml", "--set", f"questions={qs}",
+                "--set", f"archive={tmp_path / 'not-an-archive'}", "--set", f"output={out}")
+    assert p.returncode == 2 and "is it an ingest output?" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_train_mone_runs_from_the_typed_config(tmp_path):
+    """jobs/train_mone.py on the one config system: --help keys, a bad action exits 2, and two
+    meta-training steps on the shipped tiny Qwen2 write MoNe parameters a rerun resumes from."""
+    from notebank.pipeline.train_mone import TrainMoneJobConfig
+    p, _ = _run("jobs/train_mone.py", "--help")
+    assert p.returncode == 0 and "train.mone.segment_len = 128" in p.stdout
+    assert all(f"{k} = " in p.stdout for k, *_ in config_keys(TrainMoneJobConfig))
+    p, _ = _run("jobs/train_mone.py", "--set", "action=evl")
+    assert p.returncode == 2 and "action must be one of" in p.stderr
+    p, _ = _run("jobs/train_mone.py", "--set", "action=eval", "--set", f"out={tmp_path / 'none'}")
+    assert p.returncode == 2 and "no MoNe parameters" in p.stderr
+    args = ["jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=2",
+            "--set", f"out={tmp_path / 'mone'}", "--set", f"run_dir={tmp_path / 'run'}",
+            "--set", "train.batch_size=1", "--set", "train.max_segments=2"]
+    p, _ = _run(*args, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "mone" / "mone_adapters.safetensors").is_file()
+    assert (tmp_path / "run").is_dir() and any((tmp_path / "run").iterdir())
