@@ -1,4 +1,4 @@
-"""Development set for address-free native routers (issue 9): retrieved gold coverage of top-2
+"""Development set for address-free native routers: retrieved gold coverage of top-2
 for embmax, embmax_centered and BM25 over the same archived notes, on RULER examples drawn with
 seed 1 -- NOT the sweep's seed-0 examples, so a variant chosen here is tested out of sample by
 the sweep (configs/eval_ruler.yaml).

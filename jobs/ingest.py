@@ -27,7 +27,7 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from notebank.pipeline.config import IngestJobConfig
+    from notebank.pipeline.ingest import IngestJobConfig
     from notebank.pipeline.archive import FingerprintMismatch, LayoutError
     from notebank.pipeline.safety import OutputBusy, UnsafePath
     from notebank.pipeline.config import ConfigError

@@ -28,7 +28,7 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from notebank.pipeline.config import QueryJobConfig
+    from notebank.pipeline.query import QueryJobConfig
     from notebank.pipeline.archive import FingerprintMismatch, LayoutError
     from notebank.pipeline.safety import OutputBusy, UnsafePath
     from notebank.pipeline.config import ConfigError

@@ -77,7 +77,7 @@ def memory_info(backend, tokenizer_fp) -> dict:
     return info
 
 
-class _Memory:
+class MemoryLoader:
     """Loads the memory backend once per actor."""
 
     def __init__(self, model: dict, memory: str, nb: dict | None, block_size: int, mone_adapters: str | None,
@@ -117,7 +117,7 @@ def note_dicts(t) -> list[dict]:
             for i in range(t.num_rows)]
 
 
-class IngestActor(_Memory):
+class IngestActor(MemoryLoader):
     def __init__(self, model: dict, nb: dict, block_size: int, output: str, fp_digest: str,
                  tokenizer_name: str | None, torch_threads: int = 1, piece_bytes: int = 1 << 30,
                  expect_fingerprint: str | None = None, memory: str = "notebank", mone_adapters: str | None = None):
@@ -233,7 +233,7 @@ def load_archive(store: Archive, doc_id: str, notes_files: list[str], generation
                        model_fingerprint=fp, n_tokens=n_tokens)
 
 
-class QueryActor(_Memory):
+class QueryActor(MemoryLoader):
     def __init__(self, model: dict, archive: str, output: str, read: dict, nb: dict | None, docs_ref,
                  provenance: dict, torch_threads: int = 1, memory: str = "notebank",
                  mone_adapters: str | None = None, block_size: int = 8192):

@@ -262,7 +262,7 @@ class Archive:
             data = self.read_verified(ref, verify)
             where = self.url_of(ref.path)
             try:
-                meta = json.loads(_safetensors_metadata(data).get("notebank", "{}"))
+                meta = json.loads(safetensors_metadata(data).get("notebank", "{}"))
                 tensors = load(data)
             except Exception as e:
                 raise ArchiveError(f"{where}: not a readable safetensors state: {type(e).__name__}: {e}") from e
@@ -365,7 +365,7 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor], meta: dict):
             yield memoryview(t.view(torch.uint8).reshape(-1).numpy())   # the tensor's own memory
 
 
-def _safetensors_metadata(data: bytes) -> dict:
+def safetensors_metadata(data: bytes) -> dict:
     if len(data) < 8:
         raise ValueError("file shorter than the 8-byte header length")
     n = int.from_bytes(data[:8], "little")

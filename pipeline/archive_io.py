@@ -13,7 +13,7 @@ from nbcore.config import NoteBankConfig
 from nbcore.notebank.archive import Archive
 from notebank.schemas import notes as notes_schema
 from notebank.schemas._base import SchemaError, parquet_bytes_to_table, table_to_parquet_bytes
-from notebank.pipeline.archive import _safetensors_metadata
+from notebank.pipeline.archive import safetensors_metadata
 from notebank.pipeline.store import ArchiveError, FingerprintMismatch
 
 STATE_FORMAT = "notebank.state"
@@ -37,7 +37,7 @@ def run_fingerprint(model_fingerprint: str, family: str, n_channels: int, nb: No
 
 
 def archive_to_notes_bytes(doc_id: str, archive: Archive, n_channels: int) -> bytes:
-    """n_channels: the model's J. With addr_positions m > 1 (issue 9 variants) a note has J*m
+    """n_channels: the model's J. With addr_positions m > 1 (variants beyond the paper) a note has J*m
     address slots (channel-major); the file's `n_channels` field then counts slots, and its
     `notebank.addr_positions` says how to read them."""
     addr = archive.addresses
@@ -94,7 +94,7 @@ def state_to_bytes(tensors: dict, *, doc_id: str, model_fingerprint: str) -> byt
 def bytes_to_state_tensors(data: bytes, where: str, expect_model: str | None = None) -> dict:
     from safetensors.torch import load
     try:
-        meta = _safetensors_metadata(data)
+        meta = safetensors_metadata(data)
         tensors = load(data)
     except Exception as e:
         raise ArchiveError(f"{where}: not a readable safetensors state (truncated or corrupted?): "

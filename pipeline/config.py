@@ -143,149 +143,6 @@ class BenchmarkJobConfig:
             raise ConfigError("output is required (--set output=PATH)")
 
 
-@dataclass
-class IngestJobConfig:
-    """jobs/ingest.py"""
-
-    corpus: str = ""                       # fsspec URL/path: a file, a folder or a glob of .jsonl/.parquet shards
-    output: str = ""                       # fsspec URL/path of the archive folder
-    model: ModelSpec = field(default_factory=ModelSpec)
-    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
-    block_size: int = 8192                 # tokens per forward block (memory does not grow with doc length)
-    actors: ActorSpec = field(default_factory=ActorSpec)
-    ray: RaySpec = field(default_factory=RaySpec)
-    limit: int | None = None               # ingest at most this many corpus rows
-    progress: bool = True                 # progress bars (stderr)
-    memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state)
-    mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
-    append: bool = False                   # mone: the old name of mode: append (sets it)
-    mode: str = "ingest"                   # ingest | append (rows carry an archived doc_id and the text to
-                                           # add; the document continues from its stored state, both memories)
-    docs_per_group: int = 64               # corpus rows per group: one notes part + one commit per group
-    verify: bool = False                   # rerun: also check committed files' sha256 (not only sizes)
-    state_piece_mib: int = 1024            # states above this are written in pieces of about this size
-
-    def validate(self):
-        if not self.corpus:
-            raise ConfigError("corpus is required (--set corpus=URL)")
-        if not self.output:
-            raise ConfigError("output is required (--set output=URL)")
-        if self.block_size < 1:
-            raise ConfigError("block_size must be >= 1")
-        validate_memory(self.memory, self.model)
-        if self.mode not in ("ingest", "append"):
-            raise ConfigError(f"mode must be ingest or append, got {self.mode!r}")
-        if self.memory == "mone" and self.mode == "append":
-            self.append = True
-        if self.memory == "mone" and self.append:
-            self.mode = "append"               # MoNe's old switch: the same plan as NoteBank's mode: append
-        if self.append and self.memory != "mone":
-            raise ConfigError("append: true is the MoNe switch; for NoteBank archives use mode: append")
-        if self.docs_per_group < 1:
-            raise ConfigError(f"docs_per_group must be >= 1, got {self.docs_per_group}")
-        if self.state_piece_mib < 1:
-            raise ConfigError(f"state_piece_mib must be >= 1, got {self.state_piece_mib}")
-        if self.limit is not None and self.limit < 0:
-            raise ConfigError(f"limit must be >= 0 or null, got {self.limit}")
-        self.model.validate()
-        self.actors.validate()
-        try:
-            self.notebank.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        return self
-
-    def preflight(self):
-        """Inputs exist: the corpus has shards, the checkpoint is there (no Ray, no model load)."""
-        require_shards(self.corpus, "corpus")
-        self.model.preflight()
-        if self.mone_adapters:
-            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
-
-
-@dataclass
-class QueryJobConfig:
-    """jobs/query.py"""
-
-    questions: str = ""                   # fsspec URL/path of question shards (.jsonl/.parquet)
-    archive: str = ""                     # an ingest output folder (or, for one-pass mode, leave empty and set corpus)
-    corpus: str = ""                      # one-pass mode: corpus shards; each document is ingested and answered
-                                          # in the same actor, and its state is never persisted (hybrids at long T)
-    output: str = ""                      # answers folder: a Parquet dataset of part-*.parquet files
-    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # one-pass mode: the writer config
-    block_size: int = 8192                # one-pass mode: tokens per forward block
-    model: ModelSpec = field(default_factory=ModelSpec)
-    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])  # ReadConfig methods
-    read: ReadConfig = field(default_factory=ReadConfig)   # shared settings; `method` is set per method
-    actors: ActorSpec = field(default_factory=ActorSpec)
-    ray: RaySpec = field(default_factory=RaySpec)
-    progress: bool = True                 # progress bars (stderr)
-    memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state)
-    mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
-
-    @property
-    def onepass(self) -> bool:
-        return bool(self.corpus)
-
-    def validate(self):
-        for name in ("questions", "output"):
-            if not getattr(self, name):
-                raise ConfigError(f"{name} is required (--set {name}=URL)")
-        if bool(self.archive) == bool(self.corpus):
-            raise ConfigError("set exactly one of archive (answer from an ingest output) or corpus (one-pass mode: "
-                              "ingest and answer in the same actor, nothing persisted)")
-        if self.block_size < 1:
-            raise ConfigError("block_size must be >= 1")
-        validate_memory(self.memory, self.model)
-        if self.memory == "mone":
-            return self._validate_mone()
-        if not self.methods:
-            raise ConfigError("methods must not be empty")
-        try:
-            self.notebank.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        if "jrt" in self.methods and not self.onepass:
-            raise ConfigError("method jrt re-reads the context, which an archive does not keep: use the one-pass "
-                              "mode (set corpus instead of archive) for jrt")
-        self.model.validate()
-        self.actors.validate()
-        for cfg in self.read_configs():
-            try:
-                cfg.validate()
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
-        return self
-
-    def preflight(self):
-        """Inputs exist: questions, the archive (or the one-pass corpus) and the checkpoint."""
-        require_shards(self.questions, "questions")
-        if self.onepass:
-            require_shards(self.corpus, "corpus")
-        else:
-            require_archive(self.archive)
-        self.model.preflight()
-        if self.mone_adapters:
-            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
-
-    def read_configs(self) -> list[ReadConfig]:
-        return [dataclasses.replace(self.read, method=m) for m in self.methods]
-
-    def _validate_mone(self):
-        """memory: mone answers with method `mone` only (the notebank default list becomes [mone]);
-        of `read`, max_new_tokens, stop and stop_at_eos apply."""
-        if self.methods == QueryJobConfig().methods:
-            self.methods = list(MONE_METHODS)
-        bad = [m for m in self.methods if m not in MONE_METHODS]
-        if not self.methods or bad:
-            raise ConfigError(f"methods: memory: mone answers with {list(MONE_METHODS)} only, got {self.methods}")
-        if not isinstance(self.read.max_new_tokens, int) or self.read.max_new_tokens < 0:
-            raise ConfigError(f"read.max_new_tokens must be >= 0, got {self.read.max_new_tokens!r}")
-        self.model.validate()
-        self.actors.validate()
-        return self
-
-
 MEMORIES = ("notebank", "mone")
 MONE_METHODS = ("mone",)
 
@@ -301,37 +158,6 @@ def validate_memory(memory: str, model: ModelSpec) -> None:
         if model.device == "cuda" or model.adapter or model.dtype not in (None, "float32"):
             raise ConfigError("memory: mone runs in float32 on CPU without an NB-LoRA adapter: leave model.device "
                               "auto/cpu, model.dtype null/float32 and model.adapter null")
-
-
-@dataclass
-class DemoConfig:
-    """jobs/run_demo.py: generated corpus -> ingest -> batch QA, all on embedded defaults."""
-
-    workdir: str | None = None            # default: a fresh temporary folder
-    n_docs: int = 4                        # generated documents
-    doc_tokens: int = 8192                 # document length: RULER tokens of the model (task set), else characters
-    questions_per_doc: int = 2             # needle-text mode only (a RULER example has its own question)
-    seed: int = 0                          # corpus generation seed
-    task: str | None = "niah_single_1"     # RULER task generating the corpus (needs the model's tokenizer);
-                                           # null: planted-needle noise text (any tokenizer, e.g. byte)
-    model: ModelSpec = field(default_factory=lambda: ModelSpec(path="models/tiny-gdn", device="cpu"))
-    block_size: int = 8192                 # tokens per forward block
-    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
-    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])  # ReadConfig methods
-    read: ReadConfig = field(default_factory=lambda: ReadConfig(max_new_tokens=12, top_r=2))
-    actors: ActorSpec = field(default_factory=ActorSpec)
-    ray: RaySpec = field(default_factory=RaySpec)
-    progress: bool = True                 # progress bars (stderr)
-
-    def validate(self):
-        if self.n_docs < 1 or self.doc_tokens < 1 or self.questions_per_doc < 1:
-            raise ConfigError("n_docs, doc_tokens and questions_per_doc must be >= 1")
-        self.model.validate()
-        self.actors.validate()
-        self.notebank.validate()
-        for m in self.methods:
-            ReadConfig(method=m).validate()
-        return self
 
 
 # A tiny all-linear-attention Qwen3.5 text config (random init): runs everywhere in seconds.
@@ -584,3 +410,16 @@ def add_config_args(parser):
                         help="override a config key (dotted path), value parsed as YAML; repeatable")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return parser
+
+
+# The job configs sit beside their runners; these names stay importable from here (lazily: the
+# runner modules import this one).
+_JOB_CONFIGS = {"IngestJobConfig": "notebank.pipeline.ingest", "QueryJobConfig": "notebank.pipeline.query",
+                "DemoConfig": "notebank.pipeline.demo"}
+
+
+def __getattr__(name):
+    if name in _JOB_CONFIGS:
+        import importlib
+        return getattr(importlib.import_module(_JOB_CONFIGS[name]), name)
+    raise AttributeError(name)

@@ -20,10 +20,74 @@ import logging
 import time
 from typing import Callable
 
-from notebank.pipeline.config import IngestJobConfig
+from dataclasses import dataclass, field
+
+from nbcore.config import NoteBankConfig, ReadConfig
+from notebank.pipeline.config import (MONE_METHODS, ActorSpec, ConfigError, ModelSpec, RaySpec, require_archive,
+                                      require_input, require_shards, validate_memory)
 from notebank.pipeline.store import ArchiveStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class IngestJobConfig:
+    """jobs/ingest.py"""
+
+    corpus: str = ""                       # fsspec URL/path: a file, a folder or a glob of .jsonl/.parquet shards
+    output: str = ""                       # fsspec URL/path of the archive folder
+    model: ModelSpec = field(default_factory=ModelSpec)
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)
+    block_size: int = 8192                 # tokens per forward block (memory does not grow with doc length)
+    actors: ActorSpec = field(default_factory=ActorSpec)
+    ray: RaySpec = field(default_factory=RaySpec)
+    limit: int | None = None               # ingest at most this many corpus rows
+    progress: bool = True                 # progress bars (stderr)
+    memory: str = "notebank"               # notebank | mone (per-document MoNe fast-weight state)
+    mone_adapters: str | None = None       # mone: meta-trained MoNe parameters dir; default <model.path>/mone
+    append: bool = False                   # mone: the old name of mode: append (sets it)
+    mode: str = "ingest"                   # ingest | append (rows carry an archived doc_id and the text to
+                                           # add; the document continues from its stored state, both memories)
+    docs_per_group: int = 64               # corpus rows per group: one notes part + one commit per group
+    verify: bool = False                   # rerun: also check committed files' sha256 (not only sizes)
+    state_piece_mib: int = 1024            # states above this are written in pieces of about this size
+
+    def validate(self):
+        if not self.corpus:
+            raise ConfigError("corpus is required (--set corpus=URL)")
+        if not self.output:
+            raise ConfigError("output is required (--set output=URL)")
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        validate_memory(self.memory, self.model)
+        if self.mode not in ("ingest", "append"):
+            raise ConfigError(f"mode must be ingest or append, got {self.mode!r}")
+        if self.memory == "mone" and self.mode == "append":
+            self.append = True
+        if self.memory == "mone" and self.append:
+            self.mode = "append"               # MoNe's old switch: the same plan as NoteBank's mode: append
+        if self.append and self.memory != "mone":
+            raise ConfigError("append: true is the MoNe switch; for NoteBank archives use mode: append")
+        if self.docs_per_group < 1:
+            raise ConfigError(f"docs_per_group must be >= 1, got {self.docs_per_group}")
+        if self.state_piece_mib < 1:
+            raise ConfigError(f"state_piece_mib must be >= 1, got {self.state_piece_mib}")
+        if self.limit is not None and self.limit < 0:
+            raise ConfigError(f"limit must be >= 0 or null, got {self.limit}")
+        self.model.validate()
+        self.actors.validate()
+        try:
+            self.notebank.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return self
+
+    def preflight(self):
+        """Inputs exist: the corpus has shards, the checkpoint is there (no Ray, no model load)."""
+        require_shards(self.corpus, "corpus")
+        self.model.preflight()
+        if self.mone_adapters:
+            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
 
 
 def sha256_text(text: str) -> str:

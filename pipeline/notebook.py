@@ -95,10 +95,10 @@ class OpenArchive:
             if self._model is None:
                 raise ValueError("open_archive(url, model=...) is needed to answer: the checkpoint directory that "
                                  "wrote the archive (e.g. models/tiny-gdn)")
-            from notebank.pipeline.actors import _Memory
+            from notebank.pipeline.actors import MemoryLoader
             nb = self.fingerprint.get("notebank")
             nb = json.loads(nb) if isinstance(nb, str) else (nb or NoteBankConfig().to_dict())
-            self._mem = _Memory(self._model, self.memory, nb, 8192, None, 0)
+            self._mem = MemoryLoader(self._model, self.memory, nb, 8192, None, 0)
         return self._mem
 
 

@@ -16,7 +16,7 @@ import json
 from nbcore.config import NoteBankConfig, ReadConfig
 from notebank.pipeline.config import ActorSpec, ModelSpec, build
 from notebank.pipeline.pool import dispatch, start_workers, stop_workers
-from notebank.pipeline.query import _fail, _rc_dict, score_fn
+from notebank.pipeline.query import fail_row, rc_dict, score_fn
 
 
 def _model(spec) -> ModelSpec:
@@ -36,7 +36,7 @@ def run_onepass(examples, backbone_spec, nb_cfg, read_cfgs, *, actors: ActorSpec
                 block_size: int = 8192, workers: tuple | None = None, on_rows=None) -> list[dict]:
     nb_list = list(nb_cfg) if isinstance(nb_cfg, (list, tuple)) else [nb_cfg or NoteBankConfig()]
     nb_dicts = [n.validate().to_dict() for n in nb_list]
-    rc_dicts = [_rc_dict(rc.validate()) for rc in (read_cfgs or [ReadConfig()])]
+    rc_dicts = [rc_dict(rc.validate()) for rc in (read_cfgs or [ReadConfig()])]
     actors = actors or ActorSpec()
     own = workers is None
     handles, _ = workers if workers is not None else start_workers(_model(backbone_spec), actors)
@@ -50,7 +50,7 @@ def run_onepass(examples, backbone_spec, nb_cfg, read_cfgs, *, actors: ActorSpec
 
     def on_done(ex, res, err):
         if err is not None:
-            res = [{**_fail({**q, "doc_id": ex["doc_id"]}, rc, f"worker failed: {type(err).__name__}: {err}"),
+            res = [{**fail_row({**q, "doc_id": ex["doc_id"]}, rc, f"worker failed: {type(err).__name__}: {err}"),
                     "notebank": json.dumps(nb, sort_keys=True)}
                    for nb in nb_dicts for q in ex["questions"] for rc in rc_dicts]
         rows.extend(res)

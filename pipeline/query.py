@@ -6,10 +6,97 @@ from __future__ import annotations
 import dataclasses
 
 from nbcore.config import ReadConfig
-from notebank.pipeline.config import QueryJobConfig
-from notebank.pipeline.worker import _rc_json
+from dataclasses import dataclass, field
+
+from nbcore.config import NoteBankConfig, ReadConfig
+from notebank.pipeline.config import (MONE_METHODS, ActorSpec, ConfigError, ModelSpec, RaySpec, require_archive,
+                                      require_input, require_shards, validate_memory)
+from notebank.pipeline.worker import rc_json_of
 from notebank.schemas._base import table_to_parquet_bytes
 from notebank.schemas.answers import answers_table
+
+@dataclass
+class QueryJobConfig:
+    """jobs/query.py"""
+
+    questions: str = ""                   # fsspec URL/path of question shards (.jsonl/.parquet)
+    archive: str = ""                     # an ingest output folder (or, for one-pass mode, leave empty and set corpus)
+    corpus: str = ""                      # one-pass mode: corpus shards; each document is ingested and answered
+                                          # in the same actor, and its state is never persisted (hybrids at long T)
+    output: str = ""                      # answers folder: a Parquet dataset of part-*.parquet files
+    notebank: NoteBankConfig = field(default_factory=NoteBankConfig)   # one-pass mode: the writer config
+    block_size: int = 8192                # one-pass mode: tokens per forward block
+    model: ModelSpec = field(default_factory=ModelSpec)
+    methods: list[str] = field(default_factory=lambda: ["plain", "notebank", "clean_start"])  # ReadConfig methods
+    read: ReadConfig = field(default_factory=ReadConfig)   # shared settings; `method` is set per method
+    actors: ActorSpec = field(default_factory=ActorSpec)
+    ray: RaySpec = field(default_factory=RaySpec)
+    progress: bool = True                 # progress bars (stderr)
+    memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state)
+    mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
+
+    @property
+    def onepass(self) -> bool:
+        return bool(self.corpus)
+
+    def validate(self):
+        for name in ("questions", "output"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name} is required (--set {name}=URL)")
+        if bool(self.archive) == bool(self.corpus):
+            raise ConfigError("set exactly one of archive (answer from an ingest output) or corpus (one-pass mode: "
+                              "ingest and answer in the same actor, nothing persisted)")
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        validate_memory(self.memory, self.model)
+        if self.memory == "mone":
+            return self._validate_mone()
+        if not self.methods:
+            raise ConfigError("methods must not be empty")
+        try:
+            self.notebank.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if "jrt" in self.methods and not self.onepass:
+            raise ConfigError("method jrt re-reads the context, which an archive does not keep: use the one-pass "
+                              "mode (set corpus instead of archive) for jrt")
+        self.model.validate()
+        self.actors.validate()
+        for cfg in self.read_configs():
+            try:
+                cfg.validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        return self
+
+    def preflight(self):
+        """Inputs exist: questions, the archive (or the one-pass corpus) and the checkpoint."""
+        require_shards(self.questions, "questions")
+        if self.onepass:
+            require_shards(self.corpus, "corpus")
+        else:
+            require_archive(self.archive)
+        self.model.preflight()
+        if self.mone_adapters:
+            require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
+
+    def read_configs(self) -> list[ReadConfig]:
+        return [dataclasses.replace(self.read, method=m) for m in self.methods]
+
+    def _validate_mone(self):
+        """memory: mone answers with method `mone` only (the notebank default list becomes [mone]);
+        of `read`, max_new_tokens, stop and stop_at_eos apply."""
+        if self.methods == QueryJobConfig().methods:
+            self.methods = list(MONE_METHODS)
+        bad = [m for m in self.methods if m not in MONE_METHODS]
+        if not self.methods or bad:
+            raise ConfigError(f"methods: memory: mone answers with {list(MONE_METHODS)} only, got {self.methods}")
+        if not isinstance(self.read.max_new_tokens, int) or self.read.max_new_tokens < 0:
+            raise ConfigError(f"read.max_new_tokens must be >= 0, got {self.read.max_new_tokens!r}")
+        self.model.validate()
+        self.actors.validate()
+        return self
+
 
 def score_fn():
     """-> (fn(prediction, references) -> 0..100, metric name). RULER's string_match_all from
@@ -31,7 +118,7 @@ def substring_score(prediction: str, references: list[str]) -> float:
     return round(100.0 * sum(r.lower() in p for r in references) / len(references), 2)
 
 
-def _rc_dict(rc) -> dict:
+def rc_dict(rc) -> dict:
     d = dataclasses.asdict(rc)
     d["stop"] = tuple(d.get("stop") or ())
     return d
@@ -47,7 +134,7 @@ def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
 
 
 def rc_json(rc) -> str:
-    return _rc_json(rc)
+    return rc_json_of(rc)
 
 
 def answer_rows_table(rows: list[dict]):
@@ -73,6 +160,6 @@ def write_rejected(out, rejected: list[dict], methods: list[str], provenance: di
     return rows
 
 
-def _fail(q, rc, why):
+def fail_row(q, rc, why):
     return {"question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc["method"],
-            "read_config": _rc_json(ReadConfig(**rc)), "status": "failed", "error": why, "answers": q.get("answers")}
+            "read_config": rc_json_of(ReadConfig(**rc)), "status": "failed", "error": why, "answers": q.get("answers")}

@@ -208,7 +208,7 @@ def run_diagnostics(cfg: dict, n: int = 10) -> dict:
     return res
 
 
-def _cost_cell(cfg: dict, method: str, task: str, length: int) -> dict:
+def cost_cell(cfg: dict, method: str, task: str, length: int) -> dict:
     """One example, in a fresh process (plain glibc malloc, so RSS follows live memory):
     baseline RSS after loading, then write (MoNe) and query peaks and FLOPs."""
     import torch
@@ -235,8 +235,8 @@ def run_cost(cfg: dict, lengths=(1024, 2048, 4096, 8192), methods=("mone", "icl"
     res = {}
     for method in methods:
         for length in lengths:
-            code = (f"import json; from notebank.pipeline.train_mone import _cost_cell; "
-                    f"print('COST' + json.dumps(_cost_cell({cfg!r}, {method!r}, {task!r}, {length})))")
+            code = (f"import json; from notebank.pipeline.train_mone import cost_cell; "
+                    f"print('COST' + json.dumps(cost_cell({cfg!r}, {method!r}, {task!r}, {length})))")
             out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(ROOT), capture_output=True,
                                  text=True, check=True).stdout
             r = json.loads([ln for ln in out.splitlines() if ln.startswith("COST")][-1][4:])

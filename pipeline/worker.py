@@ -108,7 +108,7 @@ class NoteBankWorker:
             return row
         return {
             "question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc.method,
-            "read_config": _rc_json(rc), "status": "ok", "error": None, "answer": a.text,
+            "read_config": rc_json_of(rc), "status": "ok", "error": None, "answer": a.text,
             "token_ids": [int(t) for t in a.token_ids], "retrieved": [int(i) for i in a.retrieved],
             "votes": [float(v) for v in a.votes], "replay_len": int(a.replay_len),
             "probe_s": float(a.timings.get("probe_s", 0.0)), "route_s": float(a.timings.get("route_s", 0.0)),
@@ -143,7 +143,7 @@ class NoteBankWorker:
         return rows
 
 
-def _rc_json(rc: ReadConfig) -> str:
+def rc_json_of(rc: ReadConfig) -> str:
     d = dict(rc.__dict__)
     d["stop"] = list(d.get("stop") or ())
     return json.dumps(d, sort_keys=True)
@@ -151,4 +151,4 @@ def _rc_json(rc: ReadConfig) -> str:
 
 def _failed_row(q: dict, rc: ReadConfig, error: str) -> dict:
     return {"question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc.method,
-            "read_config": _rc_json(rc), "status": "failed", "error": error, "answers": q.get("answers")}
+            "read_config": rc_json_of(rc), "status": "failed", "error": error, "answers": q.get("answers")}

@@ -1,4 +1,4 @@
-"""Issue 9: native addressing variants beyond the paper (multi-position addresses, query-novelty
+"""native addressing variants beyond the paper (multi-position addresses, query-novelty
 position selection, margin and soft voting). The paper's rule stays the default."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""`memory: mone` in the ingest/query jobs (issue 7) through the same Ray Data drivers and actors as
+"""`memory: mone` in the ingest/query jobs through the same Ray Data drivers and actors as
 NoteBank (pipeline.dataplane, pipeline.actors on nbcore.memory.MoneBackend), and the MoNe evaluation
 job, on the shipped tiny frozen Qwen2 base with its meta-trained MoNe parameters, a real local Ray,
 real Parquet/safetensors."""

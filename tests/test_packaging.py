@@ -59,3 +59,13 @@ def test_wheel_installs_one_namespace_and_console_scripts(tmp_path):
     r = subprocess.run([str(target / "bin" / "notebank-ingest"), "--help"], capture_output=True, text=True,
                        timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "notebank.chunk_size = 512" in r.stdout, r.stderr[-2000:]
+
+
+def test_no_issue_numbers_in_product_code_configs_or_docs():
+    import re
+    pat = re.compile(r"\bissues? ?#?\d+\b|\(issue\b", re.I)
+    paths = [p for top in ("nbcore", "pipeline", "schemas", "jobs", "configs", "models", "lab")
+             for p in (REPO / top).rglob("*") if p.suffix in (".py", ".yaml", ".md")] + [REPO / "README.md"]
+    bad = [f"{p.relative_to(REPO)}:{i + 1}" for p in paths
+           for i, line in enumerate(p.read_text(errors="replace").splitlines()) if pat.search(line)]
+    assert not bad, bad

@@ -43,7 +43,7 @@ def test_notes_roundtrip_is_exact_and_deterministic(bb, doc):
 
 @pytest.mark.parametrize("variant", ["m4", "m4qnovelmargin"])
 def test_multi_slot_archives_roundtrip_and_route_identically(bb, doc, variant):
-    """Issue 9 variants with m address slots per channel survive the Parquet round trip."""
+    """Addressing variants with m address slots per channel survive the Parquet round trip."""
     from nbcore.evals.methods import VARIANTS, method_config
     text, needles, _ = doc
     cfg = NoteBankConfig(**{**TINY_NB, **VARIANTS[variant][0]})

@@ -64,7 +64,7 @@ class MoNeState:
         """Inverse of ``to_bytes``; a clear ValueError for anything that is not a MoNe state."""
         from safetensors.torch import load
         try:
-            meta = json.loads(_safetensors_metadata(data).get("mone", "{}"))
+            meta = json.loads(safetensors_metadata(data).get("mone", "{}"))
             tensors = load(data)
         except Exception as e:  # noqa: BLE001 - truncated/corrupted bytes of any kind
             raise ValueError(f"{where}: not a readable safetensors file ({type(e).__name__}: {e})") from e
@@ -88,7 +88,7 @@ class MoNeState:
         return cls.from_bytes(Path(path).read_bytes(), str(path))
 
 
-def _safetensors_metadata(data: bytes) -> dict:
+def safetensors_metadata(data: bytes) -> dict:
     """The ``__metadata__`` map of safetensors bytes (header only)."""
     if len(data) < 8:
         raise ValueError("shorter than the 8-byte header length")

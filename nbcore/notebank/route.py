@@ -50,7 +50,7 @@ def channel_scores(u: torch.Tensor, keys: torch.Tensor, note_block: int = 1024) 
 
 
 def slot_scores(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
-    """s: [J, N] with m address slots per channel (issue 9): max over slots and question tokens.
+    """s: [J, N] with m address slots per channel: max over slots and question tokens.
     u: [Q, J, d]; keys: [J*m, N, d] (channel-major slots)."""
     if m == 1:
         return channel_scores(u, keys)
@@ -77,7 +77,7 @@ def native_votes(u: torch.Tensor, addresses: torch.Tensor | None = None, keys: t
 
 
 def margin_votes(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
-    """Issue 9 variant: each channel's vote weighs (best - second best) score, so channels that
+    """Variant beyond the paper: each channel's vote weighs (best - second best) score, so channels that
     cannot tell near-identical notes apart (template matches, repeated haystack) add ~nothing."""
     s = slot_scores(u, keys, m)                                               # [J, N]
     N = s.shape[1]
@@ -94,7 +94,7 @@ def margin_votes(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tenso
 
 
 def sum_scores(u: torch.Tensor, keys: torch.Tensor, m: int = 1) -> torch.Tensor:
-    """Issue 9 variant: soft voting, score_i = sum_j s_i^j (late interaction over channels),
+    """Variant beyond the paper: soft voting, score_i = sum_j s_i^j (late interaction over channels),
     shifted by J + 1 so every note scores > 0."""
     s = slot_scores(u, keys, m)
     return s.sum(dim=0).double() + s.shape[0] + 1.0

@@ -78,13 +78,13 @@ def native_router(rq: RouteQuery) -> np.ndarray:
 
 @register_router("native_margin")
 def native_margin_router(rq: RouteQuery) -> np.ndarray:
-    """Votes weighted by each channel's best-vs-second margin (issue 9)."""
+    """Votes weighted by each channel's best-vs-second margin."""
     return _native(rq, margin_votes)
 
 
 @register_router("native_sum")
 def native_sum_router(rq: RouteQuery) -> np.ndarray:
-    """Soft voting: sum over channels of the per-channel max cosine (issue 9)."""
+    """Soft voting: sum over channels of the per-channel max cosine."""
     return _native(rq, sum_scores)
 
 
@@ -259,7 +259,7 @@ def centered(emb: torch.Tensor) -> torch.Tensor:
 
 @register_router("embmax")
 def embmax_router(rq: RouteQuery) -> np.ndarray:
-    """Native lexical routing (issue 9, beyond the paper): the backbone's own input embeddings,
+    """Native lexical routing (beyond the paper): the backbone's own input embeddings,
     max-sim between each question token and a note's tokens, weighted by the token's inverse
     document frequency over the archive itself (template words that every note shares weigh ~0).
     Reads the note token ids NoteBank already stores for replay: no address bytes at all."""

@@ -113,7 +113,7 @@ def assign_addresses(dist: torch.Tensor, qc: torch.Tensor, start: int, end: int,
 
     dist: [L, J] per-channel position scores of the region (the paper: key distinctiveness);
     qc: [L, J, d_rho] compacted queries. -> [J * m, d_rho] bf16, channel-major: channel j's slots
-    are rows j*m .. j*m+m-1. m > 1 (issue 9) keeps the top-m distinct positions (ties -> earlier;
+    are rows j*m .. j*m+m-1. m > 1 keeps the top-m distinct positions (ties -> earlier;
     a note shorter than m repeats its best position)."""
     J = dist.shape[1]
     s = _snap(dist[start:end].double())                                     # [n, J]
