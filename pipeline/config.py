@@ -52,14 +52,13 @@ class ModelSpec:
 
     def preflight(self, where="model"):
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
+        import os
         if self.path is not None:
-            import os
             if not os.path.isdir(self.path):
                 raise ConfigError(f"{where}.path: no checkpoint directory {self.path!r}")
             if not os.path.isfile(os.path.join(self.path, "config.json")):
                 raise ConfigError(f"{where}.path: {self.path!r} has no config.json (not a transformers checkpoint)")
         if self.tokenizer not in (None, "byte", "project"):
-            import os
             if not os.path.isdir(self.tokenizer) and not os.path.isfile(self.tokenizer):
                 raise ConfigError(f"{where}.tokenizer: no tokenizer at {self.tokenizer!r} (a directory, 'byte' or "
                                   f"'project')")
