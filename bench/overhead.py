@@ -1,29 +1,47 @@
-"""End-to-end Plain vs NB-TF (top-2) latency at growing context lengths (paper App. C.5 protocol).
+"""End-to-end Plain vs NB-TF (top-2) latency on text with sentences (paper App. C.5 protocol).
 
-Per length: one input (RULER niah_single_2 example 0 when the project's generators and a shipped
-model exist, else a generated needle text with the byte tokenizer), methods alternated, `--reps`
-timed runs each, median reported. Timing covers context processing (plain prefill vs NoteBank
-ingest with archive writing — the archive is rebuilt every run), question probing, routing,
-replay and exactly `--gen` generated tokens (EOS and stop strings disabled). Model loading and
-the initial tokenisation are excluded. One warm-up pair runs at the first length only.
+Per length: one RULER niah_single_2 document (essay prose with real sentences and a needle) of about
+L tokens for the model's tokenizer. The input is TEXT and tokenisation happens inside the timing:
+  plain     tokenizer(text) -> prefill (no capture) -> question -> `--gen` greedy tokens
+  notebank  tokenizer(text) with sentence offsets -> prefill with native q/k capture and archive
+            writing (rebuilt every run) -> probe the question from a state copy -> route (Eq. 5)
+            -> replay 2 notes + question from another copy -> `--gen` greedy tokens
+EOS and stop strings are disabled so both methods generate exactly `--gen` tokens. Methods are
+alternated (plain first on even reps), `--reps` timed runs each, medians reported, with the
+median of each stage so the writer's share of the overhead is visible. Model loading is excluded;
+one warm-up pair runs at the first length. The archive's bytes are reported beside Eq. 19.
 
-    .venv/bin/python bench/overhead.py --lengths 16K,64K,256K,1M --out bench/results/overhead-cpu.json
-    # GPU: bench/gpu/overhead_gpu.py (GDN-1.3B shapes with fla kernels)
+    .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K,256K --reps 3 \\
+        --out bench/results/overhead-cpu.json
+    # + a random-init GDN-1.3B-shaped model (qwen3_5 GDN layers, fp32) at a small length:
+    .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K --gdn13b-lengths 1K
+    # GPU: bench/gpu/lease.py (GDN-1.3B, Mamba-2 and hybrid shapes with their CUDA kernels)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import machine, median, timed, today, write_json  # noqa: E402
+from bench.common import machine, median, today, write_json  # noqa: E402
 from nbcore import NoteBankConfig, ReadConfig, answer, ingest, load_backbone  # noqa: E402
-from nbcore.reader import encode_context  # noqa: E402
+from nbcore import cost  # noqa: E402
 
 K = 1024
+METHODS = ("plain", "notebank")
+
+# GDN-1.3B (m-a-p/1.3B-100B-GatedDeltaNet-pure) shapes as a transformers qwen3_5 text config:
+# hidden 2048, 24 GDN layers, 8 heads, d_k = d_v = 256, MLP 5632, vocab 32000, short conv 4.
+GDN_1_3B_QWEN = dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632, vocab_size=32000,
+                     linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=256,
+                     linear_value_head_dim=256, linear_conv_kernel_dim=4, num_attention_heads=8,
+                     num_key_value_heads=8, head_dim=256, layer_types=["linear_attention"] * 24,
+                     tie_word_embeddings=False)
 
 
 def parse_len(s: str) -> int:
@@ -32,91 +50,176 @@ def parse_len(s: str) -> int:
         return int(float(s[:-1]) * K * K)
     if s.endswith("K"):
         return int(float(s[:-1]) * K)
+    if not s.isdigit():
+        raise ValueError(f"bad length {s!r}: use e.g. 700, 16K or 1M")
     return int(s)
 
 
-def make_input(bb, n_tokens: int, seed: int = 0):
-    """-> (context ids [T], question str). Uses RULER niah_single_2 when available."""
-    try:
-        from nbcore.tasks import ruler
-        if bb.tokenizer is not None and getattr(bb, "_ruler_ok", True):
-            ex = ruler.generate("niah_single_2", n_tokens, 0, bb.tokenizer, seed=seed)
-            ids, _ = encode_context(bb, ex["context"])
-            return ids, ex["question"]
-    except Exception:  # noqa: BLE001 - generators not present: fall back to a needle text
-        pass
-    from nbcore.testing import needle_text
-    text, needles = needle_text(n_tokens, 4, seed=seed)
-    ids, _ = encode_context(bb, text)
-    return ids[:n_tokens], f"What is the special magic number for {needles[0][0]}?"
+def make_text_input(bb, n_tokens: int, seed: int = 0) -> tuple[str, str]:
+    """-> (context text with sentences, question) of about n_tokens tokens: RULER niah_single_2."""
+    from nbcore.tasks import ruler
+    if bb.tokenizer is None:
+        raise ValueError("the text benchmark needs a backbone with a tokenizer")
+    ex = ruler.generate("niah_single_2", n_tokens, 0, bb.tokenizer, seed=seed)
+    return ex["context"], ex["question"]
 
 
-def run_once(bb, ids, question, method: str, cfg: NoteBankConfig, gen: int, block: int):
+def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int) -> dict:
+    """One timed run from text -> stage times (s) and counts."""
+    rc = ReadConfig(method=method, top_r=2, max_new_tokens=gen, stop_at_eos=False)
+    t0 = time.perf_counter()
+    if method == "plain":
+        ids = np.asarray(bb.tokenizer(text)["input_ids"], dtype=np.int64)
+        t_tok = time.perf_counter() - t0
+        res = ingest(bb, token_ids=ids, cfg=cfg, block_size=block, write=False)
+    else:
+        res = ingest(bb, text, cfg, block_size=block, write=True)
+        t_tok = None
+    t1 = time.perf_counter()
+    ans = answer(bb, res.state, res.archive, question, rc)
+    t2 = time.perf_counter()
+    pre, wr = res.timings["prefill_s"], res.timings["write_s"]
+    ingest_s = t1 - t0
+    return {"total_s": t2 - t0, "ingest_s": ingest_s,
+            # notebank tokenises inside ingest (with sentence offsets): the rest of its ingest time
+            "tokenize_s": t_tok if t_tok is not None else ingest_s - pre - wr,
+            "prefill_s": pre, "write_s": wr, "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
+            "replay_generate_s": ans.timings["replay_generate_s"], "n_tokens": res.n_tokens,
+            "n_notes": len(res.archive), "archived_tokens": int(sum(len(t) for t in res.archive.token_ids)),
+            "archive_bytes": archive_nbytes(res.archive), "channels": bb.n_channels,
+            "addr_dim": cfg.addr_dim, "answer": ans.text}
+
+
+def archive_nbytes(archive) -> int:
+    """Bytes of the archive's arrays as Eq. 19 counts them: BF16 addresses, int32 note token ids and
+    three int64 span fields (start, end, chunk) per note."""
+    n = len(archive)
+    return int(archive.addresses.numel() * 2 + 4 * sum(len(t) for t in archive.token_ids) + 24 * n)
+
+
+def run_ids(bb, ids, question, method: str, cfg: NoteBankConfig, gen: int, block: int):
+    """Token-ids input (random-id GPU shapes: no text to tokenise)."""
     rc = ReadConfig(method=method, top_r=2, max_new_tokens=gen, stop_at_eos=False)
     res = ingest(bb, token_ids=ids, cfg=cfg, block_size=block, write=(method == "notebank"))
     return answer(bb, res.state, res.archive, question, rc)
 
 
-def bench(bb, lengths, cfg, gen=32, reps=3, block=65536, log=print):
+run_once = run_ids       # the name bench/gpu scripts import
+
+
+STAGES = ("total_s", "tokenize_s", "prefill_s", "write_s", "probe_s", "route_s", "replay_generate_s")
+
+
+def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
+    med = {m: {s: median([r[s] for r in runs[m]]) for s in STAGES} for m in METHODS}
+    p, n = med["plain"]["total_s"], med["notebank"]["total_s"]
+    nb0 = runs["notebank"][0]
+    over = n - p
+    parts = {  # where NoteBank's extra time goes (medians of stages; they need not add up exactly)
+        "tokenize_sentences_s": med["notebank"]["tokenize_s"] - med["plain"]["tokenize_s"],
+        "capture_in_prefill_s": med["notebank"]["prefill_s"] - med["plain"]["prefill_s"],
+        "writer_s": med["notebank"]["write_s"],
+        "probe_route_s": med["notebank"]["probe_s"] + med["notebank"]["route_s"],
+        "replay_extra_s": med["notebank"]["replay_generate_s"] - med["plain"]["replay_generate_s"],
+    }
+    eq19 = cost.archive_bytes(nb0["n_notes"], nb0["archived_tokens"], channels=nb0["channels"],
+                              addr_dim=nb0["addr_dim"])
+    return {
+        "tokens": nb0["n_tokens"], "plain_s": round(p, 3), "nb_s": round(n, 3), "ratio": round(n / p, 4),
+        "overhead_pct": round(100 * (n / p - 1), 2),
+        "plain_runs_s": [round(r["total_s"], 3) for r in runs["plain"]],
+        "nb_runs_s": [round(r["total_s"], 3) for r in runs["notebank"]],
+        "stages_median_s": {m: {s: round(v, 4) for s, v in med[m].items()} for m in METHODS},
+        "overhead_parts_s": {k: round(v, 4) for k, v in parts.items()},
+        # the writer's share: capture inside the forward + span selection/addressing, of NB's total
+        "writer_share_pct": round(100 * (parts["capture_in_prefill_s"] + parts["writer_s"]) / n, 2),
+        "archive": {"notes": nb0["n_notes"], "archived_tokens": nb0["archived_tokens"],
+                    "bytes_measured": nb0["archive_bytes"], "bytes_eq19": int(eq19)},
+        "answers": {"plain": runs["plain"][0]["answer"], "notebank": runs["notebank"][0]["answer"]},
+    }
+
+
+def bench(bb, lengths, cfg, gen=32, reps=3, block=65536, log=print, warm=True):
     out = {}
-    warmed = False
     for name in lengths:
-        T = parse_len(name)
-        ids, question = make_input(bb, T)
-        if not warmed:
-            for m in ("plain", "notebank"):
-                run_once(bb, ids, question, m, cfg, gen, block)
-            warmed = True
-        times = {"plain": [], "notebank": []}
+        text, question = make_text_input(bb, parse_len(name))
+        if warm:
+            for m in METHODS:
+                run_text(bb, text, question, m, cfg, gen, block)
+            warm = False
+        runs = {m: [] for m in METHODS}
         for r in range(reps):
-            order = ("plain", "notebank") if r % 2 == 0 else ("notebank", "plain")
-            for m in order:
-                dt, ans = timed(run_once, bb, ids, question, m, cfg, gen, block)
-                times[m].append(dt)
-        p, n = median(times["plain"]), median(times["notebank"])
-        out[name] = {"tokens": int(len(ids)), "plain_s": round(p, 3), "nb_s": round(n, 3),
-                     "ratio": round(n / p, 4), "overhead_pct": round(100 * (n / p - 1), 2),
-                     "plain_runs_s": [round(x, 3) for x in times["plain"]],
-                     "nb_runs_s": [round(x, 3) for x in times["notebank"]]}
-        log(f"{name:>5} ({len(ids)} tok): plain {p:.2f}s  nb {n:.2f}s  ratio {n / p:.4f}")
+            for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                runs[m].append(run_text(bb, text, question, m, cfg, gen, block))
+        out[name] = row = summarise(name, runs)
+        log(f"{name:>5} ({row['tokens']} tok): plain {row['plain_s']:.2f}s  nb {row['nb_s']:.2f}s  "
+            f"ratio {row['ratio']:.4f}  writer share {row['writer_share_pct']:.1f}%  "
+            f"archive {row['archive']['bytes_measured']} B (Eq. 19: {row['archive']['bytes_eq19']} B)")
     return out
 
 
-def load_default_backbone(path: str | None):
-    if path and os.path.isdir(path):
-        return load_backbone(path), path
-    from nbcore.testing import byte_tokenizer, tiny_gdn_config
-    cfg = tiny_gdn_config(layers=4, hidden=128, key_heads=4, value_heads=4, head_dim=32)
-    return load_backbone(cfg, tokenizer=byte_tokenizer()), "random-init tiny GDN (4 layers, hidden 128, J=16)"
+def gdn13b_backbone(tokenizer_from: str):
+    """Random-init GDN-1.3B-shaped qwen3_5 model (fp32, CPU), with the shipped model's tokenizer
+    (its ids are a subset of the 32000-token vocabulary)."""
+    from transformers import AutoConfig
+    from nbcore.backbones.loading import build_tokenizer
+    cfg = AutoConfig.for_model("qwen3_5_text", **GDN_1_3B_QWEN)
+    return load_backbone(cfg, tokenizer=build_tokenizer(tokenizer_from))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="models/tiny-gdn")
-    ap.add_argument("--lengths", default="16K,64K,256K,1M")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--block", type=int, default=65536, help="tokens per backbone call (both methods)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default="models/tiny-gdn-v5", help="checkpoint directory (default: %(default)s)")
+    ap.add_argument("--lengths", default="64K,256K", help="comma list, e.g. 16K,64K,256K,1M (default: %(default)s)")
+    ap.add_argument("--gdn13b-lengths", default="", help="also time a random-init GDN-1.3B-shaped model at these "
+                    "lengths (small: ~1 min per run per 1K tokens on 2 cores)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per method (median; default %(default)s)")
+    ap.add_argument("--gen", type=int, default=32, help="generated tokens per answer (default %(default)s)")
+    ap.add_argument("--block", type=int, default=65536, help="tokens per backbone call, both methods")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--route", action="store_true", help="also run the routing benchmark")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="JSON result file")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    lengths = [x for x in args.lengths.split(",") if x]
+    big = [x for x in args.gdn13b_lengths.split(",") if x]
+    for x in lengths + big:
+        parse_len(x)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    bb, model_name = load_default_backbone(args.model)
+    bb = load_backbone(args.model)
     cfg = NoteBankConfig()
-    doc = {"machine": machine(), "date": today(), "model": model_name, "notebank": cfg.to_dict(),
-           "protocol": f"median of {args.reps}, alternating order, {args.gen} generated tokens, top-2, "
-                       f"archive rebuilt each run, block {args.block}",
-           "lengths": bench(bb, [x for x in args.lengths.split(",") if x], cfg, args.gen, args.reps, args.block)}
+    command = "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    doc = {"machine": machine(), "date": today(), "model": args.model, "input": "text",
+           "notebank": cfg.to_dict(),
+           "protocol": f"RULER niah_single_2 text tokenised inside the timing; median of {args.reps}, "
+                       f"methods alternated, {args.gen} generated tokens, top-2, archive rebuilt each run, "
+                       f"block {args.block}",
+           "command": command, "lengths": {}}
+
+    def save(partial: bool):
+        if args.out:
+            write_json(args.out, dict(doc, partial=partial))
+
+    for name in lengths:      # one length at a time: partial results survive an interrupted run
+        doc["lengths"].update(bench(bb, [name], cfg, args.gen, args.reps, args.block, warm=not doc["lengths"]))
+        save(True)
+    if big:
+        bb13 = gdn13b_backbone(args.model)
+        doc["gdn_1_3b_random"] = {"model": "random-init GDN-1.3B-shaped qwen3_5 (24 GDN layers, hidden 2048, "
+                                           "8 heads x 256, fp32, CPU)", "channels": bb13.n_channels,
+                                  "lengths": bench(bb13, big, cfg, args.gen, args.reps, args.block)}
+        save(True)
     if args.route:
         from bench.route_bench import bench_route
         r = bench_route([512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])
         doc["route_ms"] = {k: v["warm_ms"] for k, v in r.items()}        # keys normalised once per archive
         doc["route_ms_cold"] = {k: v["cold_ms"] for k, v in r.items()}
-    doc["command"] = "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.out:
-        write_json(args.out, doc)
+    save(False)
     return doc
 
 

@@ -96,3 +96,50 @@ def test_ruler_headline_table():
     assert len(lines) == 4                       # jrt measured nowhere: no row
     with pytest.raises(KeyError, match="no backbone"):
         headline(summary, "nope")
+
+
+def test_gpu_lease_script_cpu_smoke(tmp_path):
+    """The one script a GPU lease runs, in its CPU form: every stage runs without error, the
+    replay invariants hold and the device-vs-CPU archive check compares real archives."""
+    from bench.gpu import lease
+    out = tmp_path / "lease.json"
+    doc = lease.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text())["stages"].keys() == doc["stages"].keys() == {"checks", "overhead_tiny"}
+    assert not [k for k, v in doc["stages"].items() if "error" in v or "skipped" in v]
+    checks = doc["stages"]["checks"]["checks"]
+    inv = checks["tiny_invariants_cpu"]
+    assert "error" not in inv, inv
+    assert inv["copy_leaves_original_bit_identical"] and inv["copy_advanced"]
+    assert inv["chunked_vs_full_last_logits_max_abs"] < 1e-4
+    assert inv["archive_block2048_vs_block256"]["spans_equal"] and inv["archive_rerun_determinism"]["addr_bit_identical"]
+    dev = checks["tiny_gdn_cpu_vs_cpu"]
+    assert "error" not in dev, dev
+    assert dev["n"] == 1 and dev["spans_equal"] == 1 and dev["nb_same"] == 1
+    assert doc["stages"]["overhead_tiny"]["lengths"]["1K"]["ratio"] > 0
+
+
+def test_gpu_lease_skips_what_does_not_fit():
+    from bench.gpu import lease
+    doc = lease.main(["--smoke", "--skip-checks", "--budget-s", "-1"])
+    assert "skipped" in doc["stages"]["overhead_tiny"]
+
+
+def test_overhead_times_text_with_sentences(tmp_path):
+    """The CPU cost benchmark reads TEXT (tokenised inside the timing, with sentence ids for
+    NoteBank), reports stage medians, and the archive's bytes equal Eq. 19 for its counts."""
+    from pathlib import Path
+    out = tmp_path / "ov.json"
+    model = str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn")
+    doc = overhead.main(["--model", model, "--lengths", "1K", "--reps", "1", "--gen", "2", "--out", str(out)])
+    assert doc["input"] == "text" and json.loads(out.read_text())["partial"] is False
+    row = doc["lengths"]["1K"]
+    assert row["ratio"] == pytest.approx(row["nb_s"] / row["plain_s"], rel=0.01, abs=0.01)
+    nb = row["stages_median_s"]["notebank"]
+    assert nb["write_s"] > 0 and row["stages_median_s"]["plain"]["write_s"] == 0
+    a = row["archive"]
+    # more notes than one per chunk: real sentences, not one document-long sentence (W=2)
+    assert a["notes"] > 1 and a["bytes_measured"] == a["bytes_eq19"] > 0
+    with pytest.raises(SystemExit):
+        overhead.main(["--model", str(tmp_path), "--lengths", "1K"])
+    with pytest.raises(ValueError):
+        overhead.parse_len("12Q")

@@ -49,9 +49,21 @@ def check_fla_gdn() -> dict:
     from transformers import AutoConfig
     cfg = AutoConfig.for_model("gated_deltanet", hidden_size=512, num_hidden_layers=4, num_heads=4,
                                head_dim=128, vocab_size=4096, intermediate_size=1024)
-    bb = load_backbone(cfg, device="cuda", dtype=torch.bfloat16)
+    return check_replay_invariants(load_backbone(cfg, device="cuda", dtype=torch.bfloat16), 4096)
+
+
+def check_tiny_cpu_invariants() -> dict:
+    """The same invariants on a tiny qwen3_5 GDN on CPU (the script's CI smoke form)."""
+    from nbcore.testing import tiny_gdn_config
+    cfg = tiny_gdn_config()
+    return check_replay_invariants(load_backbone(cfg, device="cpu"), cfg.vocab_size)
+
+
+def check_replay_invariants(bb, vocab: int) -> dict:
+    """chunked prefill == one pass, a copied state is independent, archives independent of the
+    block size and bit-deterministic."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 4096, (3000,), generator=g)
+    ids = torch.randint(3, vocab, (3000,), generator=g)
     out = {"backbone": type(bb).__name__, "channels": bb.n_channels, "key_dim": bb.key_dim}
     s_full, s_chunk = bb.new_state(), bb.new_state()
     l_full = bb.forward(s_full, ids)
@@ -78,20 +90,21 @@ def check_fla_gdn() -> dict:
     return out
 
 
-def check_tiny_gdn_cuda_vs_cpu() -> dict:
+def check_tiny_gdn_cuda_vs_cpu(device: str = "cuda", n: int = 3, length: int = 8192) -> dict:
+    """The shipped tiny GDN on `device` vs CPU: the same archives and answers (same weights)."""
     from nbcore.tasks import ruler
     path = os.path.join(REPO, "models", "tiny-gdn")
     cpu = load_backbone(path, device="cpu")
-    gpu = load_backbone(path, device="cuda")
+    gpu = load_backbone(path, device=device)
     out = {"qwen3_5_chunk_kernel": _qwen35_uses_fla(gpu)}
     nb = NoteBankConfig()
     agree = {"spans_equal": 0, "plain_same": 0, "nb_same": 0, "n": 0, "addr_max_abs_diff": 0.0}
-    for i in range(3):
-        ex = ruler.generate("niah_single_1", 8192, i, cpu.tokenizer, seed=0)
+    for i in range(n):
+        ex = ruler.generate("niah_single_1", length, i, cpu.tokenizer, seed=0)
         rc_p = ReadConfig(method="plain", max_new_tokens=16)
         rc_n = ReadConfig(method="notebank", top_r=2, max_new_tokens=16)
         rs = {}
-        for name, bb in (("cpu", cpu), ("cuda", gpu)):
+        for name, bb in (("cpu", cpu), ("cuda", gpu)):        # "cuda" = the device under test
             res = ingest(bb, ex["context"], nb)
             rs[name] = (res, answer(bb, res.state, res.archive, ex["question"], rc_p).text,
                         answer(bb, res.state, res.archive, ex["question"], rc_n).text)
@@ -116,17 +129,21 @@ def _qwen35_uses_fla(bb) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke form (CI): tiny models, CPU vs CPU")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("no CUDA device")
+    if not args.smoke and not torch.cuda.is_available():
+        ap.error("no CUDA device (use --smoke for the CPU form)")
     doc = {"machine": machine(), "date": today(), "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0), "checks": {}}
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "checks": {}}
     try:
         import fla
         doc["fla"] = getattr(fla, "__version__", "?")
     except ImportError:
         doc["fla"] = None
-    for name, fn in (("fla_gdn", check_fla_gdn), ("tiny_gdn_cuda_vs_cpu", check_tiny_gdn_cuda_vs_cpu)):
+    checks = (("tiny_invariants_cpu", check_tiny_cpu_invariants),
+              ("tiny_gdn_cpu_vs_cpu", lambda: check_tiny_gdn_cuda_vs_cpu("cpu", 1, 2048))) if args.smoke else \
+        (("fla_gdn", check_fla_gdn), ("tiny_gdn_cuda_vs_cpu", check_tiny_gdn_cuda_vs_cpu))
+    for name, fn in checks:
         try:
             doc["checks"][name] = fn()
         except Exception as e:  # noqa: BLE001 - record and go on: one lease, many checks

@@ -1,4 +1,8 @@
-"""GPU latency + peak memory: Plain vs NB-TF top-2 on a random-init GDN-1.3B (fla kernels).
+"""GPU latency + peak memory: Plain vs NB-TF top-2 on random-init 1.3B-scale shapes.
+
+--shape gdn13b (default): GDN-1.3B with flash-linear-attention kernels; --shape mamba2: Mamba-2-1.3B
+shapes through transformers (mamba-ssm kernels when installed); --shape hybrid: a Qwen3.5-style
+3:1 GDN/attention hybrid through transformers (fla kernels when installed); --shape tiny: CPU smoke.
 
 One prepared script for a scarce GPU lease (< 8 minutes on one H200): builds GDN-1.3B from its
 config (hidden 2048, 24 layers, 8 heads, d_k=d_v=256, MLP 5632, vocab 32000; speed needs no
@@ -25,16 +29,35 @@ from nbcore import NoteBankConfig, load_backbone  # noqa: E402
 
 GDN_1_3B = dict(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1,
                 intermediate_size=5632, vocab_size=32000, conv_size=4, use_short_conv=True)
+# Mamba-2 1.3B shapes (state-spaces/mamba2-1.3b) as a transformers Mamba2Config.
+MAMBA2_1_3B = dict(hidden_size=2048, num_hidden_layers=48, num_heads=64, head_dim=64, expand=2,
+                   state_size=128, n_groups=1, vocab_size=50288, conv_kernel=4, chunk_size=256)
+# A Qwen3.5-style 3:1 GDN/attention hybrid at ~1.5B scale (transformers qwen3_5 text).
+QWEN35_HYBRID = dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, vocab_size=32000,
+                     linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                     linear_value_head_dim=128, linear_conv_kernel_dim=4, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=256,
+                     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
+SHAPES = ("gdn13b", "mamba2", "hybrid", "tiny")
 
 
 def build(args):
-    if args.tiny:
+    """-> (backbone, description) for --shape (random init: speed needs no pretrained weights)."""
+    from transformers import AutoConfig
+    shape = "tiny" if args.tiny else args.shape
+    dtype = torch.float32 if str(args.device) == "cpu" else torch.bfloat16
+    if shape == "tiny":
         from nbcore.testing import tiny_gdn_config
         return load_backbone(tiny_gdn_config(), device=args.device), "tiny random-init qwen3_5 GDN"
-    from transformers import AutoConfig
-    import fla.models  # noqa: F401  (registers gated_deltanet with transformers)
-    cfg = AutoConfig.for_model("gated_deltanet", **GDN_1_3B)
-    return load_backbone(cfg, device=args.device, dtype=torch.bfloat16), "random-init GDN-1.3B (fla, bf16)"
+    if shape == "gdn13b":
+        import fla.models  # noqa: F401  (registers gated_deltanet with transformers)
+        cfg = AutoConfig.for_model("gated_deltanet", **GDN_1_3B)
+        return load_backbone(cfg, device=args.device, dtype=dtype), "random-init GDN-1.3B (fla, bf16)"
+    if shape == "mamba2":
+        cfg = AutoConfig.for_model("mamba2", **MAMBA2_1_3B)
+        return load_backbone(cfg, device=args.device, dtype=dtype), "random-init Mamba-2-1.3B shapes (transformers)"
+    cfg = AutoConfig.for_model("qwen3_5_text", **QWEN35_HYBRID)
+    return load_backbone(cfg, device=args.device, dtype=dtype), "random-init Qwen3.5-style 3:1 hybrid (transformers)"
 
 
 def peak_reset(device):
@@ -57,7 +80,8 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--block", type=int, default=65536)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny CPU-friendly model (smoke test of the script)")
+    ap.add_argument("--shape", default="gdn13b", choices=SHAPES, help="model shapes (default: %(default)s)")
+    ap.add_argument("--tiny", action="store_true", help="= --shape tiny: CPU-friendly model (smoke test of the script)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -98,7 +122,8 @@ def main(argv=None):
         if args.out:                                  # partial results survive a lease that ends early
             write_json(args.out, {"machine": machine(), "date": today(), "model": model_name,
                                   "lengths": res, "partial": True})
-    doc = {"machine": machine(), "date": today(), "model": model_name, "lengths": res,
+    doc = {"machine": machine(), "date": today(), "model": model_name, "shape": "tiny" if args.tiny else args.shape,
+           "lengths": res,
            "command": "python bench/gpu/overhead_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(json.dumps(doc))
     if args.out:
