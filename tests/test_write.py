@@ -237,3 +237,21 @@ def test_writer_rejects_bad_config():
                 dict(tail=512), dict(addr_dim=0)):
         with pytest.raises(ValueError):
             NoteBankConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("T,C", [(63, 16), (64, 16), (1000, 128), (7, 16)], ids=lambda v: str(v))
+def test_reducer_head_major_layout_equals_reference(T, C):
+    """The head-major fast path ([T, H, d] views of contiguous [H, T, d] q/k, as the GDN kernels
+    lay them out) gives the reference features: distinctiveness to 1e-6, compact queries exactly."""
+    from nbcore.notebank.features import compact_bf16, head_major
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, T, 8, generator=g).transpose(0, 1)          # [T, 6, 8] head-major views
+    k = torch.randn(6, T, 8, generator=g).transpose(0, 1)
+    assert head_major(k) and head_major(q) and not head_major(k.contiguous())
+    coords = projection_coords(6, 8, 4, seed=1)
+    d_ref, qc_ref = reference_features(q.contiguous(), k.contiguous(), coords, C)
+    red = ChunkReducer(coords, heads_per_layer=6, chunk_size=C)
+    red.on_layer(0, q, k)
+    d, qc = red.result()
+    assert torch.allclose(d, d_ref, atol=1e-6)
+    assert torch.equal(qc, qc_ref) and torch.equal(compact_bf16(q, coords), qc_ref)

@@ -46,7 +46,17 @@ def chunk_distinctiveness(k: torch.Tensor, chunk_size: int, offset: int = 0) -> 
     n_full = T // C
     out = torch.empty(T, H, dtype=torch.float32, device=k.device)
     step = _slab(T, C, k.device)
-    for s0 in range(0, n_full * C, step):
+    if head_major(k):
+        # k is a [T, H, d] view of a contiguous [H, T, d] tensor (how the GDN kernels lay q/k
+        # out): per head, two batched mat-vecs over contiguous [n, C, d] chunks, no copy.
+        for h in range(H):
+            x = k[: n_full * C, h].float().view(n_full, C, D)        # [n, C, d] contiguous
+            inv = torch.linalg.vector_norm(x, dim=-1).clamp_min_(1e-12).reciprocal_()   # [n, C]
+            s = torch.bmm(inv.unsqueeze(1), x)                          # [n, 1, d] = sum of k̂
+            mu = s / torch.linalg.vector_norm(s, dim=-1, keepdim=True).clamp_min_(1e-12)
+            dot = torch.bmm(x, mu.transpose(1, 2)).squeeze(-1) * inv    # [n, C] = <k̂_t, mû>
+            out[: n_full * C, h] = (1.0 - dot).view(-1)
+    for s0 in range(0, 0 if head_major(k) else n_full * C, step):
         s1 = min(n_full * C, s0 + step)
         # a contiguous in-cache copy first: strided reads of k (a view into the model's fused
         # q/k/v projection) made every op below ~2x slower
@@ -63,6 +73,11 @@ def chunk_distinctiveness(k: torch.Tensor, chunk_size: int, offset: int = 0) -> 
     return out
 
 
+def head_major(x: torch.Tensor) -> bool:
+    """True for a [T, H, d] view of a contiguous [H, T, d] tensor (head-major layout)."""
+    return x.dim() == 3 and x.shape[1] > 1 and x.shape[0] > 1 and x.transpose(0, 1).is_contiguous()
+
+
 def compact(q: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     """Fixed coordinate selection P (Eq. 9).
 
@@ -76,6 +91,11 @@ def compact_bf16(q: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     Exact: selection then rounding, the same values as compact(q, coords).to(bf16)."""
     T, H, _ = q.shape
     out = torch.empty(T, H, coords.shape[1], dtype=torch.bfloat16, device=q.device)
+    if head_major(q):
+        cd = coords.to(q.device)
+        for h in range(H):                       # [T, d] contiguous rows per head
+            out[:, h] = q[:, h].float().index_select(1, cd[h])
+        return out
     idx = coords.to(q.device).unsqueeze(0)
     step = _slab(T, SLAB_TOKENS, q.device)
     for s0 in range(0, T, step):
