@@ -25,6 +25,7 @@ from nbcore.notebank.route import top_r
 from nbcore.notebank.routers import RouteQuery, get_router
 from nbcore.notebank.sentences import tokenize_with_sentences
 from nbcore.notebank.write import ArchiveWriter, WriterCarry
+from nbcore.notebank.write_device import DeviceArchiveWriter
 
 
 @dataclass
@@ -136,12 +137,27 @@ def encode_question(bb: Backbone, question) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+# Writers: "device" keeps span selection and addressing on the features' device (one to three
+# host syncs per block, only the notes' address rows cross); "reference" is the naive host-side
+# numpy writer it is tested against (byte-identical archives on CPU, tests/test_write_device.py).
+WRITERS = {"device": DeviceArchiveWriter, "reference": ArchiveWriter}
+DEFAULT_WRITER = "device"
+
+
+def writer_class(name: str | None = None) -> type[ArchiveWriter]:
+    """The writer `ingest`/`append` use: `name`, else DEFAULT_WRITER."""
+    name = DEFAULT_WRITER if name is None else name
+    if name not in WRITERS:
+        raise ValueError(f"unknown writer {name!r}; one of {sorted(WRITERS)}")
+    return WRITERS[name]
+
+
 FEATURE_FIELDS = ("chunk_size", "addr_dim", "seed")   # what the per-chunk feature stream depends on
 
 
 def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = None, *,
            token_ids=None, block_size: int = 8192, write: bool = True, progress=None,
-           also: tuple[NoteBankConfig, ...] | list = (), parts=None) -> IngestResult:
+           also: tuple[NoteBankConfig, ...] | list = (), parts=None, writer: str | None = None) -> IngestResult:
     """Read a document with carried state and write its archive.
 
     parts: the document as a list of parts (texts or token-id sequences) joined by the join rule
@@ -153,7 +169,8 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
     (same blocks, no capture): the baseline of the overhead benchmarks.
     also: further writer configs fed from the SAME pass (e.g. the addressing variants, which
     change only how notes are written); each must share `cfg`'s FEATURE_FIELDS. Their archives
-    equal separate ingests' (tested) and land in `IngestResult.also_archives`."""
+    equal separate ingests' (tested) and land in `IngestResult.also_archives`.
+    writer: "device" or "reference" (see WRITERS; default DEFAULT_WRITER); same archives."""
     cfg = (cfg or NoteBankConfig()).validate()
     also = [c.validate() for c in also]
     for c in also:
@@ -176,8 +193,9 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
     C = cfg.chunk_size
     block = max(C, (block_size // C) * C)
     fp = bb.fingerprint()
-    writer = ArchiveWriter(cfg, ids, sent, bb.n_channels, fp) if write else None
-    extra = [ArchiveWriter(c, ids, sent, bb.n_channels, fp) for c in also]
+    W = writer_class(writer)
+    writer = W(cfg, ids, sent, bb.n_channels, fp) if write else None
+    extra = [W(c, ids, sent, bb.n_channels, fp) for c in also]
     coords = coords_for(bb, cfg)
     state = bb.new_state()
     t_fwd = t_write = 0.0
@@ -223,7 +241,7 @@ def _concat_archives(old: Archive, new: Archive) -> Archive:
 
 def append(bb: Backbone, state: BackboneState, archive: Archive, carry: WriterCarry | dict,
            text: str | None = None, cfg: NoteBankConfig | None = None, *, token_ids=None,
-           block_size: int = 8192, progress=None) -> IngestResult:
+           block_size: int = 8192, progress=None, writer: str | None = None) -> IngestResult:
     """Continue an ingested document with a new part: the forward from (a copy of) `state`, the
     writer from `carry` (IngestResult.carry, or its `to_tensors()` dict). Neither `state` nor
     `archive` is mutated. -> IngestResult(state after all tokens, the FULL archive = archive's
@@ -249,7 +267,8 @@ def append(bb: Backbone, state: BackboneState, archive: Archive, carry: WriterCa
     Blocks: one-shot ingest feeds [0, block), [block, 2 block), ...; append at position p feeds
     [p, next multiple of block), then aligned blocks, so for p a multiple of block the backbone
     calls are exactly one-shot's. If p falls inside a chunk, the pending tokens' raw keys
-    (carry.pending_keys) join that chunk's mean key (Eq. 3) as in one pass."""
+    (carry.pending_keys) join that chunk's mean key (Eq. 3) as in one pass.
+    writer: as in `ingest` (a carry from either writer resumes in either)."""
     if carry is None:
         raise ValueError("append needs the writer carry of the previous read (IngestResult.carry)")
     if isinstance(carry, dict):
@@ -277,7 +296,7 @@ def append(bb: Backbone, state: BackboneState, archive: Archive, carry: WriterCa
         if carry.pending_keys is None:
             raise ValueError("append: carry has pending tokens but no pending_keys")
         prefix = carry.pending_keys
-    writer = ArchiveWriter.from_carry(cfg, carry, bb.n_channels, fp)
+    writer = writer_class(writer).from_carry(cfg, carry, bb.n_channels, fp)
     writer.extend(ids, sent)
     coords = coords_for(bb, cfg)
     state = bb.copy_state(state)
