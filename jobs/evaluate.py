@@ -7,8 +7,11 @@ v1/v2 and MemoryAgentBench files; mone: the MoNe backend against ICL and RAG. On
     python jobs/evaluate.py -c configs/eval_smoke.yaml                 # CI smoke: 4K/16K, few examples
     ray job submit --working-dir . -- python jobs/evaluate.py -c configs/eval_ruler.yaml
 
-Resumable: finished cells are skipped on rerun. Writes results.parquet, summary.json, report.md
-and plots under `output`; prints a one-line JSON summary.
+Resumable: finished cells are skipped on rerun. Writes results.parquet, results.json, summary.json,
+report.md (+ report-appendix.md for RULER) and plots under `output`; prints a one-line JSON summary.
+
+    python jobs/evaluate.py -c configs/eval_ruler.yaml --report-only   # rebuild the report from the
+                                                                       # shipped results.parquet alone
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ import sys
 if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from notebank.pipeline.cli import cleanup, emit, parse, setup  # noqa: E402
+
+
+REPORT_ONLY = dict(action="store_true", help=(
+    "rebuild the report (report.md, results.json, summary.json, plots) from <output>/results.parquet "
+    "alone: no model, no Ray, no cells; results.parquet is read (and validated), never written. "
+    "Unlike `--set report_only=true`, which gathers finished cells into results.parquet first."))
 
 
 def main(argv=None):
@@ -32,11 +41,16 @@ def main(argv=None):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    cfg = parse(cls, __doc__.split("\n")[0], argv)
-    # report_only rebuilds from finished cells: no Ray (starting one on a busy node can time out)
-    started = False if getattr(cfg, "report_only", False) else setup(cfg)
+    cfg = parse(cls, __doc__.split("\n")[0], argv, extra_args=[(("--report-only",), REPORT_ONLY)])
+    from_results = "--report-only" in (sys.argv[1:] if argv is None else argv)
+    # report_only / --report-only run no cell: no Ray (starting one on a busy node can time out)
+    started = False if from_results or getattr(cfg, "report_only", False) else setup(cfg)
     try:
-        summary = run(cfg)
+        if from_results:
+            from notebank.pipeline.evaluate import report_from_results
+            summary = report_from_results(cfg)
+        else:
+            summary = run(cfg)
     except ConfigError as e:                        # e.g. a data file found missing at run time
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)

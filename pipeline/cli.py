@@ -7,12 +7,16 @@ import os
 import sys
 
 
-def parse(cls, description: str, argv=None):
+def parse(cls, description: str, argv=None, extra_args=()):
+    """Typed config from -c/--set (exit 2 on a config error). extra_args: (flags, argparse kwargs)
+    pairs of job-specific flags, listed in --help; the caller reads their values itself."""
     import yaml
 
     from notebank.pipeline.config import ConfigError, add_config_args, keys_help, load_config, to_dict
     p = add_config_args(argparse.ArgumentParser(description=description, epilog=keys_help(cls),
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+    for flags, kw in extra_args:
+        p.add_argument(*flags, **kw)
     args = p.parse_args(argv)
     try:
         cfg = load_config(cls, args.config, args.set)

@@ -10,8 +10,9 @@ pipeline/evaluate_longbench.py, `mone` pipeline/evaluate_mone.py) turns its YAML
            with cfg.measurement_key, cells are also restored from a shipped results.parquet
   fan out  one Ray task per cell (run_cell): load the model (once per worker process), rebuild the
            benchmark, benchmark.evaluate(model, item, methods), stamp the labels, commit the rows
-  results  <output>/results.parquet from the finished cells, then cfg.write_report(rows, cells, notes):
-           summary.json, report.md and plots (pipeline/reporting)
+  results  <output>/results.parquet from the finished cells (checked by cfg.validate_rows), then
+           cfg.write_report(rows, cells, notes): summary.json, report.md and plots (pipeline/reporting)
+  report   report_from_results: the report again from results.parquet alone (--report-only)
 
 Layout under `output`: cells/<job's path parts>/<index>.parquet (scratch, git-ignored), results.parquet,
 summary.json, report.md, *.png.
@@ -80,6 +81,16 @@ class SweepJobConfig(BenchmarkJobConfig):
     def summary_extra(self, cells: list[dict], notes: dict) -> dict:
         """Job-specific entries of the CLI summary."""
         return {}
+
+    def validate_rows(self, table):
+        """Check (and stamp) the rows of results.parquet before it is written and when it is read
+        (a pyarrow Table -> the table to write). Default: as they are."""
+        return table
+
+    def report_from_rows(self, df) -> dict:
+        """The report of rows read back from results.parquet (jobs/evaluate.py --report-only), with no
+        cells at hand. Default: write_report without cells or planning notes."""
+        return self.write_report(df, [], {})
 
 
 @dataclass
@@ -228,13 +239,39 @@ def run_sweep(cfg: SweepJobConfig) -> dict:
         return cfg.write_report(df, cells, notes)
 
     summary = finish_sweep(cfg.output, report, cells if cfg.report_planned_only else None,
-                           key=cfg.measurement_key)
+                           key=cfg.measurement_key, prepare=cfg.validate_rows)
     return {plural: len(cells), f"{plural}_run": len(todo), f"{plural}_skipped": len(cells) - missing,
             f"{plural}_failed": len(failed),
             f"{plural}_missing": missing if getattr(cfg, "report_only", False) else len(failed),
             "tokens": sum(r["n_tokens"] for r in results), "wall_s": round(time.perf_counter() - t0, 2),
             "summary_keys": len(summary), "output": cfg.output, **cfg.summary_extra(cells, notes),
             "failures": [f"{f['path']}: {f['error']}" for f in failed[:5]]}
+
+
+def report_from_results(cfg: SweepJobConfig) -> dict:
+    """Rebuild a job's report from <output>/results.parquet alone (jobs/evaluate.py --report-only): no
+    model, no Ray, no cells; the file is read and validated (cfg.validate_rows), never written.
+    -> the CLI summary."""
+    import fsspec
+    import pyarrow.parquet as pq
+    cfg.validate()
+    url = cfg.output.rstrip("/") + "/results.parquet"
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.protocol not in ("file", ("file", "local")) and "://" in cfg.output:
+        raise ConfigError(f"--report-only writes the report with local file I/O; output {cfg.output!r} is not local")
+    if not fs.exists(path):
+        raise ConfigError(f"--report-only: {url} does not exist (run the sweep first, or set output)")
+    with fs.open(path, "rb") as f:
+        table = pq.read_table(f)
+    try:
+        table = cfg.validate_rows(table)
+    except ValueError as e:                        # schemas.SchemaError: name the file
+        raise ConfigError(f"{url}: {e}") from e
+    df = table.to_pandas()
+    if cfg.measurement_key:
+        df = drop_repeated_measurements(df, cfg.measurement_key)
+    summary = cfg.report_from_rows(df)
+    return {"rows": len(df), "summary_keys": len(summary), "output": cfg.output, "source": url}
 
 
 def restore_cells(output: str, todo: list[dict], key: list[str]) -> list[dict]:
@@ -280,8 +317,12 @@ def drop_repeated_measurements(df, key: list[str]):
     return df.drop_duplicates(subset=key, keep="first")
 
 
-def report_meta(cfg, cells: list[dict]) -> dict:
-    """Where and when the report was made (the cells may come from several resumed runs)."""
+def report_meta(cfg, cells: list[dict] | None) -> dict:
+    """Where and when the report was made (the cells may come from several resumed runs). cells None:
+    a report rebuilt from results.parquet (--report-only), which says so and nothing about this machine."""
+    if cells is None:
+        return {"source": "results.parquet; report rebuilt from its rows without running a model "
+                          "(`python jobs/evaluate.py -c <config> --report-only`)"}
     import datetime
     import platform
 

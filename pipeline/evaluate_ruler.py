@@ -7,7 +7,8 @@ repository ships (cells/ is scratch): a fresh clone restores the cells it covers
 
 Layout under `output`:
   cells/<backbone>/<budget>/<task>/<length>/<index>.parquet   per-example rows (one per method)
-  results.parquet, summary.json, report.md, *.png               written by the final report step
+  results.parquet (schemas/results.py), results.json, summary.json, report.md, report-appendix.md, *.png
+                                                                written by the final report step
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class RulerJobConfig(BackboneSweepConfig):
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0
-    report_only: bool = False                       # rebuild results/report from finished cells, run nothing
+    report_only: bool = False                       # gather finished cells into results.parquet, report, run nothing (--report-only: the file alone)
     only_backbones: list[str] = field(default_factory=list)   # run just these entries (report: all cells)
     only_lengths: list[str] = field(default_factory=list)     # run just these lengths, e.g. [4K, 64K]
 
@@ -152,12 +153,36 @@ class RulerJobConfig(BackboneSweepConfig):
     def resources(self) -> tuple[float, float]:
         return self.num_cpus_per_cell, self.num_gpus_per_cell
 
-    def write_report(self, df, cells: list[dict], notes: dict) -> dict:
+    def write_report(self, df, cells: list[dict] | None, notes: dict) -> dict:
         from notebank.pipeline.reporting.cost import cost_models
         from notebank.pipeline.reporting.ruler import write_report
         return write_report(df, self.output, self.report_title, meta=report_meta(self, cells),
                             costs=cost_models(self.backbones, self.budgets, notebank_for),
-                            answer_budget=self.max_new_tokens)
+                            answer_budget=self.max_new_tokens, config_of=self.config_of)
+
+    def report_from_rows(self, df) -> dict:
+        return self.write_report(df, None, {})
+
+    def validate_rows(self, table):
+        from notebank.schemas.results import rows_table
+        return rows_table(table)
+
+    def config_of(self, label: str, budget: str, method: str) -> dict | None:
+        """The config behind the rows of (reported backbone, budget, method), for results.json's config
+        hash: the entry that ran them (an entry renaming a method to `method` first, then one naming it
+        in its own methods, then the entry named like the label), its model spec and NoteBank config
+        under the budget, the method name it ran, the generation budget and seed. None when no entry
+        reports as `label` (rows kept from entries no longer in the config)."""
+        entries = [b for b in self.backbones if b.label == label]
+        if not entries:
+            return None
+        b = sorted(entries, key=lambda e: (method not in e.method_names.values(), method not in e.methods,
+                                           e.name != label))[0]
+        bud = next((x for x in self.budgets if x.name == budget), None)
+        nb = notebank_for(b, bud) if bud is not None else b.notebank
+        return {"entry": b.name, "model": dataclasses.asdict(b.model), "notebank": dataclasses.asdict(nb),
+                "method": {v: k for k, v in b.method_names.items()}.get(method, method),
+                "max_new_tokens": self.max_new_tokens, "seed": self.seed}
 
 
 def notebank_for(entry: BackboneEntry, budget: BudgetEntry) -> NoteBankConfig:

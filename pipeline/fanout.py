@@ -79,7 +79,7 @@ def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
 
 
 def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: list[dict] | None = None,
-                 key: list[str] | None = None) -> dict:
+                 key: list[str] | None = None, prepare: Callable[[pa.Table], pa.Table] | None = None) -> dict:
     """Gather the finished cells (of `cells` when given) into <output>/results.parquet, committed like a
     cell, then report(rows as a DataFrame) when `output` is on the local file system (the reports
     write with plain file I/O). -> report's summary, or {} when there are no rows or no report.
@@ -87,12 +87,15 @@ def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: lis
     With `key` (the columns that name one measurement), rows of an existing results.parquet whose key
     no finished cell measured are kept: `cells/` is scratch (git-ignored), results.parquet is what a
     repository ships, so a fresh clone that runs a slice of a sweep adds to the shipped rows instead
-    of replacing them. A cell's rows win over an older row with the same key."""
+    of replacing them. A cell's rows win over an older row with the same key. prepare(table) -> table
+    checks the rows before they are written (a results schema; it raises on bad rows)."""
     rows = collect(output, cells)
     if key is not None:
         rows = _with_previous_rows(rows, output.rstrip("/") + "/results.parquet", key)
     if rows is None or not rows.num_rows:
         return {}
+    if prepare is not None:
+        rows = prepare(rows)
     commit_parquet(rows, output.rstrip("/") + "/results.parquet")
     fs, _ = fsspec.core.url_to_fs(output)
     if fs.protocol in ("file", ("file", "local")) or "://" not in output:

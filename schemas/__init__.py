@@ -4,6 +4,7 @@
 - schemas.manifest per-document manifest records and the run fingerprint record (JSON)
 - schemas.answers  answers Parquet (one row per question and method)
 - schemas.inputs   corpus and question row formats
+- schemas.results  evaluation results: per-example rows (results.parquet) and the summary (results.json)
 """
 from notebank.schemas._base import PARQUET_WRITE_OPTIONS, SchemaError
 

@@ -53,7 +53,10 @@ def test_summary_is_mean_of_per_task_means(tmp_path):
     write_report(pd.DataFrame(rows), str(tmp_path))
     assert json.loads((tmp_path / "summary.json").read_text()) == {"m/plain/4K": 37.5}
     assert (tmp_path / "accuracy_vs_length.png").stat().st_size > 1000
-    assert "| plain | 37.5 |" in (tmp_path / "report.md").read_text()
+    assert "| Plain (no memory) `plain` | 37.5 ± " in (tmp_path / "report.md").read_text()
+    assert "| plain | 37.5 ± " in (tmp_path / "report-appendix.md").read_text()
+    entry = json.loads((tmp_path / "results.json").read_text())["results"]["m/plain/4K"]
+    assert entry["value"] == 37.5 and entry["n-samples"] == 6 and entry["ci"][0] <= 37.5 <= entry["ci"][1]
 
 
 @pytest.mark.parametrize("n,shape", [(1, (1, 1)), (3, (1, 3)), (5, (2, 3)), (7, (3, 3))], ids=lambda v: str(v))
@@ -93,6 +96,8 @@ def test_sweep_runs_resumes_and_reports(ray_session, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "## Routers and native addressing variants (top-2)" in report
     assert "## Cost: measured and analytical" in report and "| 1K |" in report.split("## Cost")[1]
+    assert len(report.splitlines()) <= 300 and "| 1K |" in (tmp_path / "report-appendix.md").read_text().split("## Cost")[1]
+    assert set(json.loads((tmp_path / "results.json").read_text())["results"]) == set(summary)
     again = run_sweep(cfg)
     assert again["cells_skipped"] == 4 and again["cells_run"] == 0
 

@@ -11,10 +11,11 @@ Every benchmark implements one interface, :class:`nbcore.evals.base.Benchmark` (
 * ``mone`` - :mod:`nbcore.evals.mone`: MoNe vs ICL vs RAG on RULER (:mod:`nbcore.mone.evaluation`).
 
 Shared pieces: :mod:`nbcore.evals.methods` (the method names - plain, jrt, clean-start,
-nb-<router>-top<R>[-reset] - and the ingest-once / answer-every-method harness) and
+nb-<router>-top<R>[-reset] - and the ingest-once / answer-every-method harness),
 :mod:`nbcore.evals.metrics` (answer metrics reimplemented from the official sources: LongBench
 ``qa_f1_score``/``rouge_score``/``classification_score``, LongBench v2's answer parser,
-MemoryAgentBench's ``substring_exact_match``). Reports and plots live in ``pipeline/reporting``;
+MemoryAgentBench's ``substring_exact_match``) and :mod:`nbcore.evals.stats` (seeded bootstrap
+intervals of evaluation means). Reports and plots live in ``pipeline/reporting``;
 nothing here imports ray or pipeline.
 
 The modules here import torch, transformers, fsspec and pyarrow only inside the functions that use them.
