@@ -12,6 +12,11 @@ input projections see pre-conv values. We instead wrap the modeling module's ker
 mixer records which layer is calling. The names resolve to fla / mamba-ssm kernels on GPU when
 those are installed, so the same capture works there. `tests/test_backbones.py` checks the
 captured features against an independent recomputation from the layer's own weights.
+
+On CPU, `forward` first puts `nbcore.kernels`' faster pure-torch kernels on the modeling module
+(chunked delta rule, short conv, Mamba-2 chunk scan; same results to float rounding), then the tap
+wraps them, so captured q/k are the same tensors either way. `NB_FAST_KERNELS=0` or
+`nbcore.kernels.reference_kernels()` runs transformers' reference functions instead.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from nbcore.backbones.base import Backbone, BackboneState, FeatureTap
+from nbcore.kernels import fast_kernels_enabled, installed as fast_kernels
 
 
 class CountingCache(DynamicCache):
@@ -46,6 +52,27 @@ class CountingCache(DynamicCache):
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        """transformers' conv-state update; on the fast CPU path, a carried-state prefill block
+        concatenates [cached conv state | new inputs] time-major, i.e. in the layout of the
+        mixer's projection ([B, T, D] buffer seen as [B, D, T]), instead of `torch.cat`'s
+        channel-major copy: a straight copy rather than a transposing one, and the short conv and
+        the delta rule then read time-major inputs. Same values, same cached state."""
+        from transformers.cache_utils import LinearAttentionLayer
+        layer = self.layers[layer_idx]
+        if (type(layer) is LinearAttentionLayer and layer.has_previous_state[state_idx] and not layer.record_past
+                and conv_states.dim() == 3 and not torch.is_grad_enabled()
+                and fast_kernels_enabled(conv_states.device)):
+            prev = layer.conv_states[state_idx]                       # [B, D, K]
+            B, D, T = conv_states.shape
+            K = prev.shape[-1]
+            full = torch.empty((B, K + T, D), dtype=prev.dtype, device=prev.device).transpose(1, 2)
+            full[..., :K].copy_(prev)
+            full[..., K:].copy_(conv_states)
+            prev.copy_(full[..., -layer.conv_kernel_size[state_idx]:])
+            return full
+        return super().update_conv_state(conv_states, layer_idx, state_idx=state_idx, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         if self._has_attention():
@@ -188,7 +215,11 @@ class HFBackbone(Backbone):
         if ids.numel() == 0:
             raise ValueError("forward over zero tokens")
         ctx = _KernelTap(self._module, self.kernel_wrappers, self._mixers, tap) if tap else contextlib.nullcontext()
-        with ctx, self._adapter_ctx():
+        # Fast CPU kernels first, so the tap wraps them (nbcore.kernels: on by default on CPU). The
+        # short conv may overwrite its input (the mixer's projection, never read again) unless the
+        # cache keeps past conv inputs (transformers' record_past, for rollback).
+        recording = any(getattr(layer, "record_past", False) for layer in getattr(state.cache, "layers", ()))
+        with fast_kernels(self._module, self.device, inplace_conv=not recording), ctx, self._adapter_ctx():
             out = self.model(
                 input_ids=ids.to(self.device)[None],
                 cache=state.cache,
