@@ -205,7 +205,7 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
         chunk = ids_t[b0:b0 + block]
         t0 = time.perf_counter()
         if writer is not None:
-            tap = ChunkReducer(coords, bb.heads_per_layer, C, offset=b0, keep_partial=True)
+            tap = ChunkReducer(coords, bb.heads_per_layer, C, offset=b0, keep_partial=True, n_tokens=len(chunk))
             bb.forward(state, chunk, tap=tap, need_logits=False)
             t1 = time.perf_counter()
             dist, qc = tap.result()
@@ -309,7 +309,7 @@ def append(bb: Backbone, state: BackboneState, archive: Archive, carry: WriterCa
         b1 = min(end, (b0 // block + 1) * block)
         t0 = time.perf_counter()
         tap = ChunkReducer(coords, bb.heads_per_layer, C, offset=b0,
-                           prefix_keys=prefix if b0 == p else None, keep_partial=True)
+                           prefix_keys=prefix if b0 == p else None, keep_partial=True, n_tokens=b1 - b0)
         bb.forward(state, ids_t[b0 - p:b1 - p], tap=tap, need_logits=False)
         t1 = time.perf_counter()
         dist, qc = tap.result()

@@ -255,3 +255,37 @@ def test_reducer_head_major_layout_equals_reference(T, C):
     d, qc = red.result()
     assert torch.allclose(d, d_ref, atol=1e-6)
     assert torch.equal(qc, qc_ref) and torch.equal(compact_bf16(q, coords), qc_ref)
+
+
+@pytest.mark.parametrize("head_major_layout", [False, True])
+def test_reducer_with_n_tokens_writes_one_result_pair(head_major_layout):
+    """n_tokens: layers write straight into one result pair; same values as the concatenating path,
+    with a prefix (resumed chunk) too; a layer that misses tokens is an error, not a silent gap."""
+    g = torch.Generator().manual_seed(5)
+    T, H, L, D = 100, 3, 2, 8
+    q, k = torch.randn(T, L * H, D, generator=g), torch.randn(T, L * H, D, generator=g)
+    if head_major_layout:
+        q, k = q.transpose(0, 1).contiguous().transpose(0, 1), k.transpose(0, 1).contiguous().transpose(0, 1)
+    pre = torch.randn(5, L * H, D, generator=g)
+    coords = projection_coords(L * H, D, 4, seed=2)
+    for kw in ({}, {"prefix_keys": pre, "offset": 25}):
+        a = ChunkReducer(coords, H, 20, **kw)
+        b = ChunkReducer(coords, H, 20, n_tokens=T, **kw)
+        for red in (a, b):
+            red.on_layer(0, q[:, :H], k[:, :H])
+            red.on_layer(1, q[:60, H:], k[:60, H:])      # layer 1 in two calls
+            red.on_layer(1, q[60:, H:], k[60:, H:]) if "prefix_keys" not in kw else None
+        if "prefix_keys" in kw:
+            with pytest.raises(ValueError, match="saw"):
+                b.result()
+            continue
+        (da, qa), (db, qb) = a.result(), b.result()
+        assert torch.equal(da, db) and torch.equal(qa, qb)
+    c = ChunkReducer(coords, H, 20, n_tokens=T, prefix_keys=pre, offset=25)
+    ref = ChunkReducer(coords, H, 20, prefix_keys=pre, offset=25)
+    for red in (c, ref):
+        red.on_layer(0, q[:, :H], k[:, :H])
+        red.on_layer(1, q[:, H:], k[:, H:])
+    assert torch.equal(c.result()[0], ref.result()[0]) and torch.equal(c.prefix_dist(), ref.prefix_dist())
+    with pytest.raises(ValueError, match="n_tokens"):
+        ChunkReducer(coords, H, 20, n_tokens=10).on_layer(0, q[:11, :H], k[:11, :H])

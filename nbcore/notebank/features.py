@@ -30,13 +30,15 @@ def _slab(T: int, chunk_size: int, device: torch.device) -> int:
     return max(chunk_size, (SLAB_TOKENS // chunk_size) * chunk_size)
 
 
-def chunk_distinctiveness(k: torch.Tensor, chunk_size: int, offset: int = 0) -> torch.Tensor:
+def chunk_distinctiveness(k: torch.Tensor, chunk_size: int, offset: int = 0,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-channel native-key distinctiveness (Eqs. 3, 8).
 
     k: [T, H, d] keys of consecutive tokens whose first token sits at document position `offset`.
     Chunks are the document's C-token chunks [cC, (c+1)C); `offset` must be a multiple of C
     (the last group may be partial: it belongs to an incomplete chunk that never writes).
-    Returns d: [T, H] with d_t = 1 - <k̂_t, normalize(mean_{s in chunk(t)} k̂_s)>.
+    Returns d: [T, H] with d_t = 1 - <k̂_t, normalize(mean_{s in chunk(t)} k̂_s)>, written into
+    `out` ([T, H] fp32, any strides) when given.
     `reference_features` is the naive per-chunk, per-channel loop it is tested against.
     """
     if offset % chunk_size:
@@ -44,7 +46,8 @@ def chunk_distinctiveness(k: torch.Tensor, chunk_size: int, offset: int = 0) -> 
     T, H, D = k.shape
     C = chunk_size
     n_full = T // C
-    out = torch.empty(T, H, dtype=torch.float32, device=k.device)
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.float32, device=k.device)
     step = _slab(T, C, k.device)
     if head_major(k):
         # k is a [T, H, d] view of a contiguous [H, T, d] tensor (how the GDN kernels lay q/k
@@ -86,11 +89,13 @@ def compact(q: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     return torch.gather(q.float(), 2, idx)
 
 
-def compact_bf16(q: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
-    """`compact` rounded to BF16 (what the writer keeps), computed slab by slab on CPU.
+def compact_bf16(q: torch.Tensor, coords: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`compact` rounded to BF16 (what the writer keeps), computed slab by slab on CPU, written
+    into `out` ([T, H, d_rho] bf16, any strides) when given.
     Exact: selection then rounding, the same values as compact(q, coords).to(bf16)."""
     T, H, _ = q.shape
-    out = torch.empty(T, H, coords.shape[1], dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty(T, H, coords.shape[1], dtype=torch.bfloat16, device=q.device)
     if head_major(q):
         cd = coords.to(q.device)
         for h in range(H):                       # [T, d] contiguous rows per head
@@ -126,11 +131,19 @@ class ChunkReducer(FeatureTap):
     to the same chunk (`offset - t0` must be a chunk boundary): they join that chunk's mean key
     exactly as in a one-pass read, and `prefix_dist()` gives their distinctiveness recomputed with
     it. `keep_partial=True` keeps the raw keys of the trailing incomplete chunk (prefix included)
-    for the next resume: `partial_keys()`; at most C - 1 rows, never a whole block."""
+    for the next resume: `partial_keys()`; at most C - 1 rows, never a whole block.
+
+    `n_tokens` (the length of the forward call, when the caller knows it): every layer writes
+    straight into one [n_tokens, J] / [n_tokens, J, d_rho] result pair, so `result()` needs no
+    concatenation pass over the block's features (without it, per-layer pieces are
+    concatenated at the end; the values are the same)."""
 
     def __init__(self, coords: torch.Tensor, heads_per_layer: int, chunk_size: int | None, offset: int = 0,
-                 prefix_keys: torch.Tensor | None = None, keep_partial: bool = False):
+                 prefix_keys: torch.Tensor | None = None, keep_partial: bool = False,
+                 n_tokens: int | None = None):
         self.coords = coords                     # [J, d_rho]
+        self.n_tokens = n_tokens
+        self._buf: tuple[torch.Tensor | None, torch.Tensor] | None = None   # (dist, qc) when n_tokens
         self.H = heads_per_layer
         self.chunk_size = chunk_size
         self.offset = offset
@@ -150,7 +163,19 @@ class ChunkReducer(FeatureTap):
         pos = self._pos.get(rec_idx, 0)
         self._pos[rec_idx] = pos + q.shape[0]
         sl = slice(rec_idx * self.H, (rec_idx + 1) * self.H)
-        self.qc.setdefault(rec_idx, []).append(compact_bf16(q, self.coords[sl]))
+        t = q.shape[0]
+        if self.n_tokens is not None:
+            if pos + t > self.n_tokens:
+                raise ValueError(f"ChunkReducer(n_tokens={self.n_tokens}): layer {rec_idx} got {pos + t} tokens")
+            if self._buf is None:
+                J, d = self.coords.shape
+                self._buf = (torch.empty(self.n_tokens, J, dtype=torch.float32, device=q.device)
+                             if self.chunk_size else None,
+                             torch.empty(self.n_tokens, J, d, dtype=torch.bfloat16, device=q.device))
+            qc = compact_bf16(q, self.coords[sl], out=self._buf[1][pos:pos + t, sl])
+        else:
+            qc = compact_bf16(q, self.coords[sl])
+        self.qc.setdefault(rec_idx, []).append(qc)
         if not self.chunk_size:
             return
         start, n_pre = self.offset + pos, 0
@@ -158,10 +183,15 @@ class ChunkReducer(FeatureTap):
             pre = self.prefix_keys[:, sl].to(device=k.device, dtype=k.dtype)
             n_pre = pre.shape[0]
             k, start = torch.cat([pre, k]), start - n_pre
-        d = chunk_distinctiveness(k, self.chunk_size, start)
+        if self._buf is not None and not n_pre:
+            d = chunk_distinctiveness(k, self.chunk_size, start, out=self._buf[0][pos:pos + t, sl])
+        else:
+            d = chunk_distinctiveness(k, self.chunk_size, start)
         if n_pre:
             self._prefix_dist[rec_idx] = d[:n_pre]
             d = d[n_pre:]
+            if self._buf is not None:
+                self._buf[0][pos:pos + t, sl] = d
         self.dist.setdefault(rec_idx, []).append(d)
         if self.keep_partial:
             r = (start + k.shape[0]) % self.chunk_size      # start is chunk-aligned: r <= len(k)
@@ -170,6 +200,12 @@ class ChunkReducer(FeatureTap):
     def result(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """-> (dist [T, J] fp32 or None, qc [T, J, d_rho] bf16)."""
         layers = sorted(self.qc)
+        if self._buf is not None:
+            n_layers = self.coords.shape[0] // self.H
+            if layers != list(range(n_layers)) or any(self._pos[i] != self.n_tokens for i in layers):
+                raise ValueError(f"ChunkReducer(n_tokens={self.n_tokens}): layers {layers} saw "
+                                 f"{[self._pos[i] for i in layers]} tokens")
+            return self._buf
         qc = torch.cat([torch.cat(self.qc[i], 0) for i in layers], dim=1)
         dist = None
         if self.chunk_size:
