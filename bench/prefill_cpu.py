@@ -28,20 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import machine, median, timed, today, write_json  # noqa: E402
+from bench.overhead import parse_len  # noqa: E402
 from nbcore import kernels, load_backbone  # noqa: E402
 
 K = 1024
 TOL = 1e-4
 METHODS = ("fallback", "fast")
-
-
-def parse_len(s: str) -> int:
-    s = s.strip().upper()
-    if s.endswith("M"):
-        return int(float(s[:-1]) * K * K)
-    if s.endswith("K"):
-        return int(float(s[:-1]) * K)
-    return int(s)
 
 
 def prose_ids(bb, n_tokens: int) -> torch.Tensor:

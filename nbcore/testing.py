@@ -84,3 +84,15 @@ def needle_text(n_chars: int, n_needles: int = 4, seed: int = 0) -> tuple[str, l
         pos = rng.randrange(len(units) + 1)
         units.insert(pos, f"One of the special magic numbers for {key} is: {val}. ")
     return "".join(units), needles
+
+
+def sentence_text(n: int, seed: int = 0) -> str:
+    """Sentences of random words ('.', '!' and line breaks end them); ASCII: 1 char = 1 token."""
+    import numpy as np
+    g = np.random.default_rng(seed)
+    out = []
+    while sum(map(len, out)) < n:
+        words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), size=g.integers(2, 9)))
+                 for _ in range(g.integers(3, 12))]
+        out.append(" ".join(words) + str(g.choice([". ", "! ", ".\n"])))
+    return "".join(out)[:n]

@@ -22,7 +22,7 @@ from safetensors.torch import save as st_save
 
 from nbcore import NoteBankConfig, WriterCarry, append, encode_parts, ingest, load_backbone
 from nbcore.reader import JOIN_RULE
-from nbcore.testing import byte_tokenizer, tiny_gdn_config, tiny_mamba2_config
+from nbcore.testing import sentence_text, byte_tokenizer, tiny_gdn_config, tiny_mamba2_config
 
 STATE_ATOL = 1e-5
 ADDR_RTOL = 2.0 ** -7
@@ -48,18 +48,7 @@ def bb(request):
     return load_backbone(FAMILIES[request.param](), tokenizer=byte_tokenizer(), seed=0)
 
 
-def _text(n, seed=0):
-    """Sentences of random words ('.', '!' and line breaks end them); ASCII: 1 char = 1 token."""
-    g = np.random.default_rng(seed)
-    out = []
-    while sum(map(len, out)) < n:
-        words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), size=g.integers(2, 9)))
-                 for _ in range(g.integers(3, 12))]
-        out.append(" ".join(words) + str(g.choice([". ", "! ", ".\n"])))
-    return "".join(out)[:n]
-
-
-TEXT = _text(720, seed=3)
+TEXT = sentence_text(720, seed=3)
 
 
 def _split(text, cuts):

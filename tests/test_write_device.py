@@ -12,7 +12,7 @@ from nbcore import NoteBankConfig, WriterCarry, append, ingest, load_backbone
 from nbcore.notebank.write import ArchiveWriter, TIE_GRID
 from nbcore.notebank.write_device import DeviceArchiveWriter, device_addresses, device_best_windows
 from nbcore.reader import DEFAULT_WRITER, writer_class
-from nbcore.testing import byte_tokenizer, needle_text, tiny_gdn_config, tiny_mamba2_config
+from nbcore.testing import sentence_text, byte_tokenizer, needle_text, tiny_gdn_config, tiny_mamba2_config
 from notebank.pipeline.archive_io import archive_to_notes_bytes
 
 FAMILIES = {"gdn": lambda: tiny_gdn_config(), "gdn-hybrid": lambda: tiny_gdn_config(hybrid=True),
@@ -30,18 +30,7 @@ CONFIGS = {
 }
 
 
-def _text(n, seed=0):
-    """Sentences of random words ('.', '!' and line breaks end them); ASCII: 1 char = 1 token."""
-    g = np.random.default_rng(seed)
-    out = []
-    while sum(map(len, out)) < n:
-        words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), size=g.integers(2, 9)))
-                 for _ in range(g.integers(3, 12))]
-        out.append(" ".join(words) + str(g.choice([". ", "! ", ".\n"])))
-    return "".join(out)[:n]
-
-
-TEXT = _text(1000, seed=5)          # 1000 tokens + BOS: an incomplete final chunk for every C here
+TEXT = sentence_text(1000, seed=5)          # 1000 tokens + BOS: an incomplete final chunk for every C here
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
