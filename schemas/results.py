@@ -113,6 +113,20 @@ def validate_rows(table: pa.Table, where: str = "results rows") -> pa.Table:
     return table
 
 
+def _nullable_counters(df):
+    """pandas turns an integer counter that older rows lack (e.g. answer_tokens, added later) into
+    float with NaN when rows are concatenated; give such a column back its integer type, with nulls
+    for the rows that never had it. Non-integral values stay float (and fail validation)."""
+    df = df.copy(deep=False)
+    for col in COUNTERS:
+        if col in df.columns and df[col].dtype.kind == "f":
+            x = df[col]
+            vals = x[x.notna()]
+            if (vals == vals.round()).all():
+                df[col] = x.astype("Int64")
+    return df
+
+
 def rows_table(rows) -> pa.Table:
     """Rows (a pyarrow Table, a DataFrame or a list of dicts) as a validated table stamped with the
     rows schema's name and version (kept beside any other metadata, e.g. pandas')."""
@@ -121,7 +135,7 @@ def rows_table(rows) -> pa.Table:
     elif isinstance(rows, list):
         table = pa.Table.from_pylist(rows)
     else:
-        table = pa.Table.from_pandas(rows, preserve_index=False)
+        table = pa.Table.from_pandas(_nullable_counters(rows), preserve_index=False)
     validate_rows(table)
     keep = {k: v for k, v in (table.schema.metadata or {}).items() if not k.startswith(b"notebank.")}
     stamped = with_meta(pa.schema([]), ROWS_NAME, ROWS_VERSION).metadata

@@ -132,6 +132,16 @@ def test_rows_round_trip_and_carry_the_schema_version():
         R.validate_rows(pa.Table.from_pylist([dict(_rows()[0], score=float("nan"))]))
 
 
+def test_a_counter_that_older_rows_lack_keeps_its_integer_type():
+    # rows of an older run have no answer_tokens; pandas concatenation makes the column float + NaN
+    old, new = pd.DataFrame(_rows()[:8]), pd.DataFrame(_rows()[8:16]).assign(answer_tokens=7)
+    table = R.rows_table(pd.concat([old, new], ignore_index=True))
+    assert pa.types.is_integer(table.schema.field("answer_tokens").type)
+    assert table.column("answer_tokens").to_pylist() == [None] * 8 + [7] * 8
+    with pytest.raises(SchemaError, match="answer_tokens.*type"):     # a real fraction still fails
+        R.rows_table(pd.concat([old, new.assign(answer_tokens=7.5)], ignore_index=True))
+
+
 def _set(col, value, row=3):
     def change(df):
         df = df.copy()

@@ -118,8 +118,20 @@ class _KernelTap:
 
 
 def _gdn_wrap(orig, tap: _KernelTap):
+    # A kernel that takes a `feature_sink` (nbcore.kernels.gdn_cpu) hands the tap its own
+    # chunk-major copies of q/k, segment by segment: the capture then reads cache-resident copies
+    # instead of strided views of the fused projection (about 3x cheaper on CPU).
+    from nbcore.kernels import gdn_cpu
+    sinkable = getattr(orig, "accepts_feature_sink", False) and hasattr(tap.tap, "on_segment")
+
     def wrapped(query, key, *args, **kwargs):
-        tap.emit(query, key)                      # [B, T, H_k, d_k]
+        layer = tap.current
+        if (sinkable and query.shape[0] == 1 and kwargs.get("chunk_size", gdn_cpu.CHUNK) == gdn_cpu.CHUNK
+                and tap.tap.accepts_segments(layer, gdn_cpu.CHUNK, gdn_cpu.SEGMENT)):
+            kwargs["feature_sink"] = lambda a, t, q, k: tap.tap.on_segment(layer, a, t, q, k)
+            kwargs["segment"] = gdn_cpu.SEGMENT
+        else:
+            tap.emit(query, key)                  # [B, T, H_k, d_k]
         return orig(query, key, *args, **kwargs)
     return wrapped
 

@@ -167,6 +167,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     segment: int | None = None,
+    feature_sink=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over a whole sequence, chunked; same contract as transformers'
@@ -175,7 +176,11 @@ def chunk_gated_delta_rule(
     query, key: [B, T, Hk, K]; value: [B, T, Hv, V] (Hv a multiple of Hk); g (log decay, <= 0),
     beta: [B, T, Hv]; initial_state: [B, Hv, K, V] or None.
     -> (output [B, T, Hv, V] in query's dtype, final state [B, Hv, K, V] fp32 or None).
-    `segment`: tokens per precompute segment (a multiple of chunk_size; default SEGMENT)."""
+    `segment`: tokens per precompute segment (a multiple of chunk_size; default SEGMENT).
+    `feature_sink(a, t, q, k)`: called per segment with the raw query/key of tokens a .. a+t-1 as
+    this kernel lays them out, [n, B*Hv, C, K] fp32 chunk-major (zero padding rows, key heads
+    repeated), before the L2 norm; it may read but not keep or modify them. NoteBank's feature
+    capture reduces them there (`ChunkReducer.on_segment`) instead of re-reading q/k."""
     if kwargs.get("cu_seqlens") is not None:
         raise ValueError("chunk_gated_delta_rule (CPU) does not support packed sequences (cu_seqlens)")
     _no_grad_check("chunk_gated_delta_rule", query, key, value, g, beta, initial_state)
@@ -194,6 +199,8 @@ def chunk_gated_delta_rule(
         b = min(T, a + seg)
         q = _chunked_f32(query[:, a:b], Hv, C)
         k = _chunked_f32(key[:, a:b], Hv, C)
+        if feature_sink is not None:
+            feature_sink(a, b - a, q, k)
         if use_qk_l2norm_in_kernel:
             _l2norm_(q)
             _l2norm_(k)
@@ -202,6 +209,9 @@ def chunk_gated_delta_rule(
                      _gates_f32(beta[:, a:b], C), S, C)             # [n, BH, C, V]
         _unchunk_into(out[:, a:b], o)
     return out, (S.view(B, Hv, K, V) if output_final_state else None)
+
+
+chunk_gated_delta_rule.accepts_feature_sink = True   # see `feature_sink` (nbcore.backbones.hf)
 
 
 def _unchunk_into(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -159,19 +159,113 @@ class ChunkReducer(FeatureTap):
         self._prefix_dist: dict[int, torch.Tensor] = {}
         self._partial: dict[int, torch.Tensor] = {}
 
-    def on_layer(self, rec_idx, q, k):
+    def _advance(self, rec_idx: int, t: int, device) -> int:
+        """Reserve the next t tokens of layer rec_idx -> their position in this call."""
         pos = self._pos.get(rec_idx, 0)
-        self._pos[rec_idx] = pos + q.shape[0]
-        sl = slice(rec_idx * self.H, (rec_idx + 1) * self.H)
-        t = q.shape[0]
+        self._pos[rec_idx] = pos + t
         if self.n_tokens is not None:
             if pos + t > self.n_tokens:
                 raise ValueError(f"ChunkReducer(n_tokens={self.n_tokens}): layer {rec_idx} got {pos + t} tokens")
             if self._buf is None:
                 J, d = self.coords.shape
-                self._buf = (torch.empty(self.n_tokens, J, dtype=torch.float32, device=q.device)
+                self._buf = (torch.empty(self.n_tokens, J, dtype=torch.float32, device=device)
                              if self.chunk_size else None,
-                             torch.empty(self.n_tokens, J, d, dtype=torch.bfloat16, device=q.device))
+                             torch.empty(self.n_tokens, J, d, dtype=torch.bfloat16, device=device))
+        return pos
+
+    # --- the kernel-side path ---------------------------------------------------------------
+    def accepts_segments(self, rec_idx: int, kernel_chunk: int, segment: int) -> bool:
+        """Whether layer `rec_idx`'s next kernel call may feed `on_segment` instead of `on_layer`:
+        the kernel's chunk-major segments of `segment` tokens (chunks of `kernel_chunk`) must tile
+        NoteBank's C-token chunks exactly, and a resumed chunk's prefix keys go the general way."""
+        if self.prefix_keys is not None and self._pos.get(rec_idx, 0) == 0:
+            return False
+        C = self.chunk_size
+        return not C or (C % kernel_chunk == 0 and segment % C == 0)
+
+    @torch.no_grad()
+    def on_segment(self, rec_idx: int, a: int, t: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The same reduction as `on_layer`, fed by a CPU kernel (nbcore.kernels.gdn_cpu) from the
+        chunk-major fp32 copies it makes anyway, before it normalises them: no strided read of the
+        model's fused projection and no extra copy.
+
+        q, k: [n, B*Hv, c, d] fp32, the raw query/key of tokens a .. a+t-1 of this call in n chunks of
+        c tokens (rows past t are zero padding), key heads repeated r = Hv / H times (batch 0 is
+        read). Calls come in order, a = the tokens this layer has seen; a is a multiple of C."""
+        n, BH, c, D = k.shape
+        H = self.H
+        r = BH // H if BH % H == 0 else 0
+        if not r or n * c < t:
+            raise ValueError(f"on_segment: {BH} kernel heads for {H} key heads, {n}x{c} rows for {t} tokens")
+        pos = self._advance(rec_idx, t, k.device)
+        if pos != a:
+            raise ValueError(f"on_segment: layer {rec_idx} at token {pos}, segment starts at {a}")
+        if self.chunk_size and (self.offset + a) % self.chunk_size:
+            raise ValueError(f"on_segment: segment at document position {self.offset + a} is not on a "
+                             f"chunk boundary (C={self.chunk_size})")
+        sl = slice(rec_idx * H, (rec_idx + 1) * H)
+        qh = q.view(n, BH // r, r, c, D)[:, :H, 0]                # [n, H, c, d]: batch 0, one copy per key head
+        kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
+        if r > 1:                                                 # one copy of the key heads (r = 1: a view)
+            qh, kh = qh.contiguous(), kh.contiguous()
+        # Eq. 9: the d_rho coordinates of every head at once, then one converting copy into place
+        dr = self.coords.shape[1]
+        qc = self._buf[1][pos:pos + t, sl] if self._buf is not None else \
+            torch.empty(t, H, dr, dtype=torch.bfloat16, device=q.device)
+        idx = self.coords[sl].to(q.device).view(1, 1, H, dr)
+        sel = torch.gather(qh.transpose(1, 2), 3, idx.expand(n, c, H, dr))   # [n, c, H, d_rho] token-major
+        qc.copy_(sel.view(n * c, H, dr)[:t])
+        self.qc.setdefault(rec_idx, []).append(qc)
+        C = self.chunk_size
+        if not C:
+            return
+        # Eqs. 3, 8 for the whole C-token chunks: heads and kernel chunks batched together
+        d = self._buf[0][pos:pos + t, sl] if self._buf is not None else \
+            torch.empty(t, H, dtype=torch.float32, device=k.device)
+        g, nb = C // c, t // C                                    # kernel chunks per NoteBank chunk; full chunks
+        if nb:
+            m = nb * g                                            # kernel chunks in whole C-token chunks
+            x = kh[:m].reshape(m * H, c, D)                       # a view: [(chunk, head), c, d]
+            inv = torch.linalg.vector_norm(x, dim=-1).clamp_min_(1e-12).reciprocal_()  # [m*H, c] = 1/|k_t|
+            s = torch.bmm(inv.unsqueeze(1), x).view(nb, g * H, D)                      # per kernel chunk
+            s = s.view(nb, g, H, D).sum(1)                                              # [nb, H, d] = sum of k̂
+            mu = s.div_(torch.linalg.vector_norm(s, dim=-1, keepdim=True).clamp_min_(1e-12))
+            # <k_t, mû> against every (chunk, head) mean in one GEMM, then each row's own column: the
+            # per-row mat-vec (a batched bmm) is ~3x slower on CPU at these sizes
+            allp = x.view(m * H * c, D) @ mu.view(nb * H, D).t()                       # [m*H*c, nb*H]
+            col = self._columns(nb, g, H, c, k.device)
+            dot = allp.gather(1, col).view(m, H, c).mul_(inv.view(m, H, c))             # <k̂_t, mû>
+            d[: nb * C].view(m, c, H).copy_(dot.transpose(1, 2)).neg_().add_(1.0)
+        rest = t - nb * C
+        if rest or self.keep_partial:
+            tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]             # [rest, H, d]
+            if rest:
+                chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
+        self.dist.setdefault(rec_idx, []).append(d)
+        if self.keep_partial:
+            self._partial[rec_idx] = tail.clone()
+
+    _COLS: dict = {}
+
+    @classmethod
+    def _columns(cls, nb: int, g: int, H: int, c: int, device) -> torch.Tensor:
+        """[nb*g*H*c, 1] int64: row (kernel chunk i, head h, token) -> column (i // g) * H + h."""
+        key = (nb, g, H, c, str(device))
+        col = cls._COLS.get(key)
+        if col is None:
+            i = torch.arange(nb * g, device=device).view(-1, 1, 1) // g
+            h = torch.arange(H, device=device).view(1, -1, 1)
+            col = (i * H + h).expand(nb * g, H, c).reshape(-1, 1).contiguous()
+            if len(cls._COLS) > 64:
+                cls._COLS.clear()
+            cls._COLS[key] = col
+        return col
+
+    def on_layer(self, rec_idx, q, k):
+        t = q.shape[0]
+        pos = self._advance(rec_idx, t, q.device)
+        sl = slice(rec_idx * self.H, (rec_idx + 1) * self.H)
+        if self.n_tokens is not None:
             qc = compact_bf16(q, self.coords[sl], out=self._buf[1][pos:pos + t, sl])
         else:
             qc = compact_bf16(q, self.coords[sl])
