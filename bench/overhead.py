@@ -67,6 +67,7 @@ def make_text_input(bb, n_tokens: int, seed: int = 0) -> tuple[str, str]:
 def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int) -> dict:
     """One timed run from text -> stage times (s) and counts."""
     rc = ReadConfig(method=method, top_r=2, max_new_tokens=gen, stop_at_eos=False)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     if method == "plain":
         ids = np.asarray(bb.tokenizer(text)["input_ids"], dtype=np.int64)
@@ -80,7 +81,7 @@ def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen
     t2 = time.perf_counter()
     pre, wr = res.timings["prefill_s"], res.timings["write_s"]
     ingest_s = t1 - t0
-    return {"total_s": t2 - t0, "ingest_s": ingest_s,
+    return {"total_s": t2 - t0, "cpu_s": time.process_time() - c0, "ingest_s": ingest_s,
             # notebank tokenises inside ingest (with sentence offsets): the rest of its ingest time
             "tokenize_s": t_tok if t_tok is not None else ingest_s - pre - wr,
             "prefill_s": pre, "write_s": wr, "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
@@ -127,6 +128,13 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
     return {
         "tokens": nb0["n_tokens"], "plain_s": round(p, 3), "nb_s": round(n, 3), "ratio": round(n / p, 4),
         "overhead_pct": round(100 * (n / p - 1), 2),
+        # how noisy the machine was: each rep's pair (run back to back), the spread of Plain's runs,
+        # and the same ratio in process CPU time (less sensitive to other tenants' load)
+        "pair_ratios": [round(b["total_s"] / a["total_s"], 4) for a, b in zip(runs["plain"], runs["notebank"])],
+        "plain_spread_pct": round(100 * (max(r["total_s"] for r in runs["plain"])
+                                         - min(r["total_s"] for r in runs["plain"])) / p, 1),
+        "cpu_ratio": round(median([r["cpu_s"] for r in runs["notebank"]])
+                           / median([r["cpu_s"] for r in runs["plain"]]), 4),
         "plain_runs_s": [round(r["total_s"], 3) for r in runs["plain"]],
         "nb_runs_s": [round(r["total_s"], 3) for r in runs["notebank"]],
         "stages_median_s": {m: {s: round(v, 4) for s, v in med[m].items()} for m in METHODS},
@@ -153,7 +161,7 @@ def bench(bb, lengths, cfg, gen=32, reps=3, block=65536, log=print, warm=True):
                 runs[m].append(run_text(bb, text, question, m, cfg, gen, block))
         out[name] = row = summarise(name, runs)
         log(f"{name:>5} ({row['tokens']} tok): plain {row['plain_s']:.2f}s  nb {row['nb_s']:.2f}s  "
-            f"ratio {row['ratio']:.4f}  writer share {row['writer_share_pct']:.1f}%  "
+            f"ratio {row['ratio']:.4f} (cpu {row['cpu_ratio']:.4f}, plain spread {row['plain_spread_pct']}%)  writer share {row['writer_share_pct']:.1f}%  "
             f"archive {row['archive']['bytes_measured']} B (Eq. 19: {row['archive']['bytes_eq19']} B)")
     return out
 
