@@ -207,7 +207,10 @@ def main(argv=None):
            "protocol": f"RULER niah_single_2 text tokenised inside the timing; median of {args.reps}, "
                        f"methods alternated, {args.gen} generated tokens, top-2, archive rebuilt each run, "
                        f"block {args.block}",
-           "command": command, "lengths": {}}
+           "command": command,
+           # glibc's allocator tunables change the noise a lot on a VM (README, "Speed")
+           "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
+           "lengths": {}}
 
     def save(partial: bool):
         if args.out:
