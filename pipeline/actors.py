@@ -57,7 +57,8 @@ def build_memory(model: dict, memory: str = "notebank", nb: dict | None = None, 
         torch.set_num_threads(torch_threads)
     if memory == "mone":
         tok = build_tokenizer(model["tokenizer"]) if model.get("tokenizer") else None
-        backend = get_backend("mone", base_dir=model["path"], adapters=mone_adapters, tokenizer=tok)
+        backend = get_backend("mone", base_dir=model["path"], adapters=mone_adapters, tokenizer=tok,
+                              gguf_file=model.get("gguf_file"), cache_dir=model.get("cache_dir"))
     elif memory == "notebank":
         backend = get_backend("notebank", bb=build_backbone(model), nb_cfg=NoteBankConfig(**(nb or {})),
                               block_size=block_size)

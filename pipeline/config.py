@@ -30,7 +30,11 @@ class ConfigError(ValueError):
 class ModelSpec:
     """Which frozen backbone every actor loads."""
 
-    path: str | None = None             # checkpoint directory (config.json + weights [+ tokenizer])
+    path: str | None = None             # checkpoint directory (config.json + weights [+ tokenizer]), a .gguf
+                                        # file, or pkg:<package>/<file> (a file inside an installed package)
+    gguf_file: str | None = None        # GGUF file inside the path directory (path: a directory)
+    cache_dir: str | None = None        # where GGUF checkpoints are dequantised to (once, keyed by sha256);
+                                        # None: $NB_MODEL_CACHE, else ~/.cache/notebank/gguf
     hf_config: dict | None = None       # or: transformers config kwargs incl. model_type (random init)
     tokenizer: str | None = None        # tokenizer directory, "byte" (byte-level, ids = 3 + byte), "project"
                                         # (nbcore.tasks.tokenizer); default: the checkpoint's own
@@ -45,6 +49,8 @@ class ModelSpec:
             raise ConfigError(f"{where}: set exactly one of model.path or model.hf_config")
         if self.hf_config is not None and "model_type" not in self.hf_config:
             raise ConfigError(f"{where}.hf_config needs a model_type")
+        if self.gguf_file is not None and self.path is None:
+            raise ConfigError(f"{where}.gguf_file needs model.path (the directory that holds it)")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"{where}.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -53,7 +59,14 @@ class ModelSpec:
     def preflight(self, where="model"):
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
         import os
-        if self.path is not None:
+
+        from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source, is_gguf_source
+        if self.path is not None and (is_gguf_source(self.path, self.gguf_file) or self.path.startswith("pkg:")):
+            try:
+                check_source(self.path, self.gguf_file, self.cache_dir)
+            except (ModelSourceError, MissingDependency) as e:
+                raise ConfigError(f"{where}.path: {e}") from e
+        elif self.path is not None:
             if not os.path.isdir(self.path):
                 raise ConfigError(f"{where}.path: no checkpoint directory {self.path!r}")
             if not os.path.isfile(os.path.join(self.path, "config.json")):
@@ -146,14 +159,19 @@ MEMORIES = ("notebank", "mone")
 MONE_METHODS = ("mone",)
 
 
-def validate_memory(memory: str, model: ModelSpec) -> None:
-    """`memory` is notebank or mone; mone needs a checkpoint directory (frozen Qwen2-family base) on CPU."""
+def validate_memory(memory: str, model: ModelSpec, mone_adapters: str | None = None) -> None:
+    """`memory` is notebank or mone; mone needs a checkpoint directory or GGUF source (frozen
+    Qwen2/Llama-family base) on CPU, and for a GGUF source the MoNe parameters' folder."""
     if memory not in MEMORIES:
         raise ConfigError(f"memory must be one of {list(MEMORIES)}, got {memory!r}")
     if memory == "mone":
         if not model.path:
-            raise ConfigError("memory: mone needs model.path (a frozen Qwen2-family checkpoint dir, e.g. "
-                              "models/tiny-qwen2), not model.hf_config")
+            raise ConfigError("memory: mone needs model.path (a frozen Qwen2/Llama-family checkpoint dir, e.g. "
+                              "models/tiny-qwen2, or a GGUF source), not model.hf_config")
+        from nbcore.backbones.gguf import is_gguf_source, is_pkg_source
+        if not mone_adapters and (is_gguf_source(model.path, model.gguf_file) or is_pkg_source(model.path)):
+            raise ConfigError("mone_adapters: a GGUF / pkg: base has no <model.path>/mone folder; set mone_adapters "
+                              "to the meta-trained MoNe parameters")
         if model.device == "cuda" or model.adapter or model.dtype not in (None, "float32"):
             raise ConfigError("memory: mone runs in float32 on CPU without an NB-LoRA adapter: leave model.device "
                               "auto/cpu, model.dtype null/float32 and model.adapter null")

@@ -34,8 +34,9 @@ class MoneEvalJobConfig(SweepJobConfig):
     benchmark: str = "mone"
     output: str = "out/eval_mone"
     report_title: str = "MoNe vs ICL vs RAG (RULER)"
-    model: str = "models/tiny-qwen2"                # frozen base (HF dir with its tokenizer)
+    model: str = "models/tiny-qwen2"                # frozen base (HF dir with its tokenizer, .gguf, pkg:...)
     adapters: str | None = None                     # meta-trained MoNe parameters; default <model>/mone
+                                                    # (required for a GGUF / pkg: model)
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     lengths: list[int | str] = field(default_factory=lambda: ["1K", "8K"])   # tokens: 8K, 8192
     n_examples: int = 10
@@ -74,6 +75,10 @@ class MoneEvalJobConfig(SweepJobConfig):
             raise ConfigError(f"split must be train or test, got {self.split!r}")
         for x in self.lengths:
             parse_length(x)
+        from nbcore.backbones.gguf import is_gguf_source, is_pkg_source
+        if "mone" in self.methods and not self.adapters and (is_gguf_source(self.model) or is_pkg_source(self.model)):
+            raise ConfigError("adapters: a GGUF / pkg: model has no <model>/mone folder; set adapters to the "
+                              "meta-trained MoNe parameters")
         return self
 
     # --- the runner's hooks ------------------------------------------------------------------

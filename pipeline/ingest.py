@@ -59,7 +59,7 @@ class IngestJobConfig:
             raise ConfigError("output is required (--set output=URL)")
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
-        validate_memory(self.memory, self.model)
+        validate_memory(self.memory, self.model, self.mone_adapters)
         if self.mode not in ("ingest", "append"):
             raise ConfigError(f"mode must be ingest or append, got {self.mode!r}")
         if self.memory == "mone" and self.mode == "append":

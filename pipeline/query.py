@@ -48,7 +48,7 @@ class QueryJobConfig:
                               "ingest and answer in the same actor, nothing persisted)")
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
-        validate_memory(self.memory, self.model)
+        validate_memory(self.memory, self.model, self.mone_adapters)
         if self.memory == "mone":
             return self._validate_mone()
         if not self.methods:

@@ -42,7 +42,8 @@ class TrainMoneJobConfig:
 
     action: str = "train"                        # train (plain loop) | ray (Ray Train, 1 worker) | eval |
                                                  # diagnostics | cost
-    base: str = "models/tiny-qwen2"              # frozen base (HF checkpoint dir with tokenizer)
+    base: str = "models/tiny-qwen2"              # frozen base (HF checkpoint dir with tokenizer, a .gguf file
+                                                 # or pkg:<package>/<file>.gguf)
     out: str = "models/tiny-qwen2/mone"          # meta-trained MoNe parameters (safetensors + config)
     run_dir: str = "runs/mone"                   # checkpoint folder (rerun resumes)
     train: MetaTrainConfig = field(default_factory=MetaTrainConfig)   # meta-training (train.mone: MoNeConfig)
@@ -63,8 +64,14 @@ class TrainMoneJobConfig:
         return self
 
     def preflight(self):
+        from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source, is_gguf_source
         base = _abs(self.base)
-        if not (base / "config.json").is_file():
+        if is_gguf_source(self.base):
+            try:
+                check_source(str(base))
+            except (ModelSourceError, MissingDependency) as e:
+                raise ConfigError(f"base: {e}") from e
+        elif not (base / "config.json").is_file():
             raise ConfigError(f"base: no checkpoint (config.json) at {self.base!r}")
         needs_mone = self.action in ("diagnostics", "cost") or (self.action == "eval" and "mone" in self.eval.methods)
         if needs_mone and not _abs(self.out).is_dir():
@@ -87,6 +94,8 @@ def _tc(cfg: dict):
 
 
 def _abs(p: str) -> Path:
+    if p.startswith("pkg:"):                 # a file inside an installed package (nbcore.backbones.gguf)
+        return Path(p)
     q = Path(p)
     return q if q.is_absolute() else ROOT / q
 

@@ -55,11 +55,14 @@ def model_from_config(config, seed: int = 0, dtype: torch.dtype = torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtype=None, seed: int = 0) -> Backbone:
+def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtype=None, seed: int = 0, *,
+                  gguf_file: str | None = None, cache_dir: str | None = None) -> Backbone:
     """Load a frozen backbone.
 
-    spec: a local checkpoint directory (config.json + weights [+ tokenizer files]), a
-          transformers config object (random init with `seed`), or an already built model.
+    spec: a local checkpoint directory (config.json + weights [+ tokenizer files]), a GGUF file,
+          a directory with ``gguf_file``, a ``pkg:<package>/<path>`` file (nbcore.backbones.gguf:
+          GGUF checkpoints are dequantised once into ``cache_dir``), a transformers config object
+          (random init with `seed`), or an already built model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -68,7 +71,8 @@ def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtyp
     elif isinstance(spec, PretrainedConfig):
         model = model_from_config(spec, seed=seed, dtype=dtype or torch.float32)
     elif isinstance(spec, (str, os.PathLike)):
-        path = os.fspath(spec)
+        from nbcore.backbones.gguf import resolve_checkpoint
+        path = resolve_checkpoint(spec, gguf_file=gguf_file, cache_dir=cache_dir)
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{path!r} is not a checkpoint directory (no config.json)")

@@ -5,6 +5,7 @@
     bb = build_backbone({"hf_config": {"model_type": "qwen3_5_text", ...}, "seed": 0})   # random init
 
 Keys: path | hf_config (+ seed), tokenizer ("byte", "project", a directory, or the checkpoint's own),
+gguf_file and cache_dir (GGUF sources: nbcore.backbones.gguf; path may also be a .gguf file or pkg:...),
 dtype (float32 | bfloat16 | float16), device (auto | cpu | cuda), adapter (an NB-LoRA read adapter).
 The pipeline's actors and the bench scripts all load models through this module.
 """
@@ -26,7 +27,9 @@ def build_tokenizer(spec):
         from nbcore.tasks.tokenizer import load_tokenizer
         return load_tokenizer()
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(spec)
+
+    from nbcore.backbones.gguf import resolve_checkpoint
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(spec))
 
 
 def byte_tokenizer():
@@ -72,7 +75,8 @@ def build_backbone(model: dict):
     else:
         kw = dict(model["hf_config"])
         target = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    bb = load_backbone(target, tokenizer=tok, device=device, dtype=dtype, seed=int(model.get("seed", 0)))
+    bb = load_backbone(target, tokenizer=tok, device=device, dtype=dtype, seed=int(model.get("seed", 0)),
+                       gguf_file=model.get("gguf_file"), cache_dir=model.get("cache_dir"))
     if model.get("adapter"):
         from nbcore.lora import load_adapter
         load_adapter(bb, model["adapter"])

@@ -151,9 +151,15 @@ class MoNeModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, base_dir: str | Path, adapters_dir: str | Path | None = None,
-                        cfg: MoNeConfig | None = None) -> "MoNeModel":
+                        cfg: MoNeConfig | None = None, *, gguf_file: str | None = None,
+                        cache_dir: str | None = None) -> "MoNeModel":
+        """``base_dir``: a checkpoint directory or any source of nbcore.backbones.gguf (a .gguf file,
+        a directory with ``gguf_file``, ``pkg:<package>/<file>``; dequantised once into ``cache_dir``)."""
         from transformers import AutoModelForCausalLM
-        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+
+        from nbcore.backbones.gguf import resolve_checkpoint
+        base_dir = resolve_checkpoint(base_dir, gguf_file=gguf_file, cache_dir=cache_dir)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         if adapters_dir is not None and cfg is None:
             cfg = MoNeConfig.from_dict(json.loads((Path(adapters_dir) / "mone_config.json").read_text())["mone"])
         model = cls(base, cfg or MoNeConfig())

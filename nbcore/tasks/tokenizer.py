@@ -88,9 +88,13 @@ def save_tokenizer(tokenizer, out_dir: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path | None = None):
-    """Load the project tokenizer from ``path`` (default: the shipped tiny-gdn dir), else build it."""
+    """Load the project tokenizer from ``path`` (default: the shipped tiny-gdn dir), else build it.
+    ``path`` may also be a GGUF source (a .gguf file or ``pkg:<package>/<file>.gguf``): its tokenizer."""
     from transformers import AutoTokenizer
 
+    if path is not None:
+        from nbcore.backbones.gguf import resolve_checkpoint
+        path = resolve_checkpoint(path)          # a GGUF source -> its cached checkpoint; else unchanged
     p = Path(path) if path is not None else DEFAULT_DIR
     if (p / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(p)
