@@ -26,7 +26,7 @@ ACTIONS = ("train", "ray", "eval", "diagnostics", "cost")
 class MoneEvalSpec:
     """What `action: eval | diagnostics | cost` measures."""
 
-    out_dir: str = "bench/results/mone"          # results folder (summary.json, details_*.json, cost.json)
+    out_dir: str = "bench/results/mone/tiny-qwen2"         # results folder (summary.json, details_*.json, cost.json)
     tasks: list[str] = field(default_factory=lambda: ["s_niah", "mk_niah", "fwe"])   # RULER task aliases
     lengths: list[int] = field(default_factory=lambda: [1024, 8192])                 # context lengths (tokens)
     methods: list[str] = field(default_factory=lambda: ["mone", "icl", "rag"])       # mone | icl | rag
@@ -102,8 +102,40 @@ def _abs(p: str) -> Path:
 
 def train_plain(cfg: dict) -> dict:
     from nbcore.training import mone as tm
-    return tm.train(_abs(cfg["base"]), _abs(cfg["out"]), _abs(cfg["run_dir"]), _tc(cfg),
+    meta = tm.train(_abs(cfg["base"]), _abs(cfg["out"]), _abs(cfg["run_dir"]), _tc(cfg),
                     log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
+    write_curve(_abs(cfg["run_dir"]), _abs(cfg["out"]))
+    return meta
+
+
+def write_curve(run_dir: Path, out: Path) -> Path | None:
+    """<out>/history.json and <out>/training_curve.png: the meta-training loss (EMA of the answer-token
+    CE, nats) and teacher-forced exact match against steps and wall minutes. None when no history."""
+    hist_path = Path(run_dir) / "history.json"
+    if not hist_path.is_file():
+        return None
+    hist = json.loads(hist_path.read_text())
+    if not hist:
+        return None
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "history.json").write_text(json.dumps(hist, indent=0) + "\n")
+    from notebank.pipeline.reporting.common import pyplot, save_figure
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    steps = [h["step"] for h in hist]
+    ax[0].plot(steps, [h["loss"] for h in hist], color="C0")
+    ax[0].set_xlabel("step")
+    ax[0].set_ylabel("answer CE, nats/token (EMA 0.98)")
+    ax[0].grid(alpha=0.3)
+    ax[0].set_title(f"{steps[-1]} steps, {hist[-1]['t'] / 60:.0f} wall minutes")
+    ax[1].plot(steps, [100 * h["tf_em"] for h in hist], color="C1")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("teacher-forced exact match, % (EMA)")
+    ax[1].set_ylim(-3, 103)
+    ax[1].grid(alpha=0.3)
+    save_figure(fig, str(out / "training_curve.png"))
+    return out / "training_curve.png"
 
 
 def _ray_loop(config: dict) -> None:

@@ -202,6 +202,18 @@ def test_memory_off_equals_frozen_hf_model(model):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_causal_fast_path_equals_the_masked_reference(model):
+    """Plain prompts at positions 0..n-1 take SDPA's is_causal kernel; shifted positions take the
+    explicit-mask path, and RoPE makes the scores depend on offsets only, so both must agree."""
+    ids = torch.tensor([_ids(37, seed=9)])
+    with torch.no_grad():
+        fast_path = model.logits(ids, fast=None)
+        masked = model.logits(ids, fast=None, positions=torch.arange(37) + 11)
+        last = model.logits(ids, fast=None, last_only=True)
+    torch.testing.assert_close(fast_path, masked, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, fast_path[:, -1:], rtol=1e-5, atol=1e-5)
+
+
 def test_cached_generation_matches_full_recompute(model):
     fast = finalized(model, ingest(model, _ids(2 * T + 3, seed=7)))
     prompt = _ids(6, seed=8)

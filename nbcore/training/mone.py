@@ -131,7 +131,7 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     step, elapsed, ema, history = 0, 0.0, None, []
     ck = run_dir / "ckpt.pt"
     if ck.exists():
-        st = torch.load(ck, weights_only=False)
+        st = torch.load(ck, weights_only=True)   # tensors and plain containers only: no pickle
         model.mone.load_state_dict(st["mone"])
         opt.load_state_dict(st["opt"])
         step, elapsed, ema, history = st["step"], st["elapsed"], st["ema"], st["history"]

@@ -1,9 +1,11 @@
 """Report of the MoNe evaluation (pipeline/evaluate_mone.py): summary.json, cost.json, rag_by_k.json,
 report.md and two plots, from the per-example rows of ``nbcore.evals.mone`` (nbcore.mone.evaluation).
 
-Keys are "<method>/<task>/<length>" with task the short label (s_niah, mk_niah, fwe) and length the
-target context length in tokens. rag is reported at its best K per (task, length), as the paper does
-("best of K in {1, 4, 8} per length"); every K is in rag_by_k.json and the report.
+Keys are "[<label>/]<method>/<task>/<length>" with task the short label (s_niah, mk_niah, fwe), length the
+target context length in tokens and label the model (e.g. smollm2-135m; none for the tiny Qwen2 base).
+summary.json values are {"mean": 0-100, "n": examples, "ci95": [lo, hi]} (bootstrap over examples).
+Every rag method (rag, rag-bm25, rag-dense) is reported at its best K per (task, length), as the paper
+does ("best of K in {1, 4, 8} per length"); every K is in rag_by_k.json and the report.
 """
 from __future__ import annotations
 
@@ -17,44 +19,53 @@ from notebank.pipeline.reporting.common import pyplot, save_figure, start_report
 
 COST_COLS = ("write_flops", "query_flops", "write_peak_bytes", "query_peak_bytes", "write_s", "query_s",
              "context_tokens", "prompt_tokens", "memory_tokens", "state_bytes")
-METHOD_ORDER = ("mone", "icl", "rag")
+METHOD_ORDER = ("mone", "icl", "rag", "rag-bm25", "rag-dense")
 
 
-def key(method: str, task: str, length: int) -> str:
-    return f"{method}/{task}/{int(length)}"
+def is_rag(method: str) -> bool:
+    return method == "rag" or method.startswith("rag-")
+
+
+def key(method: str, task: str, length: int, label: str = "") -> str:
+    return f"{label + '/' if label else ''}{method}/{task}/{int(length)}"
 
 
 def rag_by_k(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean score and answer recall of the retrieved chunks per (task, length, K)."""
-    r = df[df.method == "rag"]
+    """Mean score and answer recall of the retrieved chunks per (rag method, task, length, K)."""
+    r = df[df.method.map(is_rag)]
     if r.empty:
-        return pd.DataFrame(columns=["task_label", "length", "rag_k", "score", "rag_recall", "n"])
-    return (r.groupby(["task_label", "length", "rag_k"])
+        return pd.DataFrame(columns=["method", "task_label", "length", "rag_k", "score", "rag_recall", "n"])
+    return (r.groupby(["method", "task_label", "length", "rag_k"])
             .agg(score=("score", "mean"), rag_recall=("rag_recall", "mean"), n=("score", "size"))
             .reset_index())
 
 
 def best_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of mone/icl, plus rag rows of the best K per (task, length) (ties: smallest K)."""
-    other = df[df.method != "rag"]
+    """Rows of mone/icl, plus each rag method's rows of its best K per (task, length) (ties: smallest K)."""
+    other = df[~df.method.map(is_rag)]
     byk = rag_by_k(df)
     if byk.empty:
         return other
-    best = (byk.sort_values(["task_label", "length", "score", "rag_k"], ascending=[True, True, False, True])
-            .groupby(["task_label", "length"]).head(1)[["task_label", "length", "rag_k"]])
-    rag = df[df.method == "rag"].merge(best, on=["task_label", "length", "rag_k"])
+    cols = ["method", "task_label", "length"]
+    best = (byk.sort_values([*cols, "score", "rag_k"], ascending=[True, True, True, False, True])
+            .groupby(cols).head(1)[[*cols, "rag_k"]])
+    rag = df[df.method.map(is_rag)].merge(best, on=[*cols, "rag_k"])
     return pd.concat([other, rag], ignore_index=True)
 
 
-def summarize(df: pd.DataFrame) -> dict:
-    """"<method>/<task>/<length>" -> mean score 0-100 (rag: best K)."""
-    b = best_rows(df)
-    g = b.groupby(["method", "task_label", "length"])["score"].mean()
-    return {key(m, t, L): round(float(v), 2) for (m, t, L), v in sorted(g.items())}
+def summarize(df: pd.DataFrame, label: str = "") -> dict:
+    """"[<label>/]<method>/<task>/<length>" -> {"mean": 0-100, "n", "ci95"} (rag: best K)."""
+    from nbcore.evals.stats import bootstrap_mean_ci
+    out = {}
+    for (m, t, L), d in best_rows(df).groupby(["method", "task_label", "length"]):
+        ci = bootstrap_mean_ci(d["score"].to_numpy(dtype=float))
+        out[key(m, t, L, label)] = {"mean": round(float(d["score"].mean()), 2), "n": int(len(d)),
+                                    "ci95": [round(float(ci.low), 2), round(float(ci.high), 2)]}
+    return dict(sorted(out.items()))
 
 
-def cost_table(df: pd.DataFrame) -> dict:
-    """"<method>/<task>/<length>" -> mean cost per example (rag: the best K's rows)."""
+def cost_table(df: pd.DataFrame, label: str = "") -> dict:
+    """"[<label>/]<method>/<task>/<length>" -> mean cost per example (rag: the best K's rows)."""
     b = best_rows(df)
     out = {}
     for (m, t, L), d in b.groupby(["method", "task_label", "length"]):
@@ -63,9 +74,9 @@ def cost_table(df: pd.DataFrame) -> dict:
             if c in d:
                 v = d[c].dropna()
                 rec[c] = None if v.empty else (float(v.mean()) if c.endswith("_s") else int(round(v.mean())))
-        if m == "rag":
+        if is_rag(m):
             rec["rag_k"] = int(d.rag_k.iloc[0])
-        out[key(m, t, L)] = rec
+        out[key(m, t, L, label)] = rec
     return dict(sorted(out.items()))
 
 
@@ -93,9 +104,11 @@ def plot_accuracy(df: pd.DataFrame, path: str) -> None:
     for ax, t in zip(axes[0], tasks):
         d = b[b.task_label == t]
         for i, m in enumerate(_methods(d)):   # distinct markers/sizes: equal scores stay visible
-            g = d[d.method == m].groupby("length")["score"].mean()
+            dm = d[d.method == m].groupby("length")["score"]
+            g, n = dm.mean(), dm.size()
+            ns = f"n={int(n.min())}" if n.min() == n.max() else f"n={int(n.min())}-{int(n.max())}"
             ax.plot(g.index, g.values, linestyle=("-", "--", ":", "-.")[i % 4], marker="os^Dv"[i % 5],
-                    markersize=9 - 2 * (i % 3), color=f"C{i}", label=m)
+                    markersize=9 - 2 * (i % 3), color=f"C{i}", label=f"{m} ({ns})")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-3, 103)
         ax.set_title(t)
@@ -139,13 +152,14 @@ def _fmt_num(x) -> str:
     return f"{x:.0f}"
 
 
-def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict | None = None) -> dict:
+def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict | None = None,
+                 label: str = "") -> dict:
     """Write summary.json, cost.json, rag_by_k.json, report.md and the plots. -> summary dict."""
     df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
-    summary, lines = start_report(df, out_dir, summarize, title, meta, indent=1, sort_keys=True)
-    costs = cost_table(df)
+    summary, lines = start_report(df, out_dir, lambda d: summarize(d, label), title, meta, indent=1, sort_keys=True)
+    costs = cost_table(df, label)
     byk = rag_by_k(df)
-    byk_json = {key(f"rag@{int(r.rag_k)}", r.task_label, r.length):
+    byk_json = {key(f"{r.method}@{int(r.rag_k)}", r.task_label, r.length, label):
                 {"score": round(float(r.score), 2), "answer_recall": round(float(r.rag_recall), 2), "n": int(r.n)}
                 for r in byk.itertuples()}
     for name, obj in (("cost.json", costs), ("rag_by_k.json", byk_json)):
@@ -161,15 +175,22 @@ def write_report(rows, out_dir: str, title: str = "MoNe evaluation", meta: dict 
               "![accuracy vs length](accuracy_vs_length.png)", "", "![cost vs length](cost_vs_length.png)", ""]
     b = best_rows(df)
     for t in sorted(b.task_label.unique()):
-        piv = b[b.task_label == t].pivot_table(index="method", columns="length", values="score", aggfunc="mean")
-        piv.index.name = "method"
-        lines += [f"## {t}", "", _md_table(piv.reindex([m for m in _methods(b) if m in piv.index]), "{:.1f}"), ""]
+        d = b[b.task_label == t]
+        piv = d.pivot_table(index="method", columns="length", values="score", aggfunc="mean")
+        cnt = d.pivot_table(index="method", columns="length", values="score", aggfunc="size")
+        cells = piv.astype(object)
+        for i in piv.index:
+            for c in piv.columns:
+                x = piv.at[i, c]
+                cells.at[i, c] = f"{x:.1f} (n={int(cnt.at[i, c])})" if pd.notna(x) else None
+        cells.index.name = "method"
+        lines += [f"## {t}", "", "Mean score (n = examples):", "",
+                  _md_table(cells.reindex([m for m in _methods(b) if m in cells.index]), "{}"), ""]
     if not byk.empty:
-        piv = byk.assign(cell=byk.task_label + "/" + byk.length.astype(str)).pivot_table(
-            index="cell", columns="rag_k", values="score", aggfunc="mean")
-        rec = byk.assign(cell=byk.task_label + "/" + byk.length.astype(str)).pivot_table(
-            index="cell", columns="rag_k", values="rag_recall", aggfunc="mean")
-        piv.index.name = rec.index.name = "task/length"
+        byk = byk.assign(cell=byk.method + " " + byk.task_label + "/" + byk.length.astype(str))
+        piv = byk.pivot_table(index="cell", columns="rag_k", values="score", aggfunc="mean")
+        rec = byk.pivot_table(index="cell", columns="rag_k", values="rag_recall", aggfunc="mean")
+        piv.index.name = rec.index.name = "method task/length"
         piv.columns = [f"K={int(c)}" for c in piv.columns]
         rec.columns = [f"K={int(c)}" for c in rec.columns]
         lines += ["## RAG by K", "", "Score:", "", _md_table(piv, "{:.1f}"), "",
