@@ -21,7 +21,9 @@ recurrent model sits at chance for hundreds of steps on needle retrieval. Two in
 
 Data: RULER NIAH formats (train-split keys, fresh random values) over noise and prose haystacks
 plus plain prose LM, generated on the fly at <= 2K tokens with a length curriculum that advances
-when the teacher-forced answer exact match passes a threshold (or at a time cap). Loss = answer CE + 0.5 x LM CE on all other tokens.
+when the teacher-forced answer exact match passes a threshold (or at a time cap). The ``phrasings``
+curriculum also draws needles in other wordings (nbcore/tasks/phrased.py: its TRAIN phrasings in the
+training prose only; the HELD-OUT phrasings and prose are never trained on). Loss = answer CE + 0.5 x LM CE on all other tokens.
 Pure torch + transformers; no ray here (lab/train_backbone.py is the CLI).
 """
 from __future__ import annotations
@@ -37,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nbcore.tasks import ruler
 from nbcore.tasks import haystack as hs
+from nbcore.tasks import phrased, ruler
 
 NIAH_TRAIN_TASKS = ruler.PAPER_SIX
 # training-only variant of niah_single_3 (never evaluated): the uuid's hex digits come from a
@@ -57,8 +59,12 @@ def collide_uuid(rng: random.Random) -> str:
 
 
 def generate_train(task: str, length: int, index: int, tok, seed: int) -> dict:
-    """A training example (train-split keys): a RULER task, or COLLIDE_TASK (a niah_single_3
-    example whose uuid is replaced, in the needle and the answer, by ``collide_uuid``)."""
+    """A training example (train-split keys): a RULER task, a TRAIN phrased task
+    (``phrased.TRAIN_TASKS``; held-out ones are refused), or COLLIDE_TASK (a niah_single_3 example
+    whose uuid is replaced, in the needle and the answer, by ``collide_uuid``)."""
+    if task in phrased.TASKS and task not in phrased.TRAIN_TASKS:
+        raise ValueError(f"{task} uses held-out phrasings or prose: it is never trained on "
+                         f"(trainable phrased tasks: {list(phrased.TRAIN_TASKS)})")
     if task != COLLIDE_TASK:
         return ruler.generate(task, length, index, tok, seed=seed, split="train")
     ex = ruler.generate("niah_single_3", length, index, tok, seed=seed, split="train")
@@ -140,6 +146,9 @@ class TrainConfig:
     product_layer: str = ""          # Mamba-2, fresh or grown with grow_prepend=1: build layer 0 as a bigram
                                      # product layer, a PRODUCT_LAGS name (lag1 | lag12; _init_mamba2_product);
                                      # "" = the usual init
+    phrasings_frac: float = 0.5      # in a phase listing both phrased (nbcore.tasks.phrased) and RULER tasks:
+                                     # the fraction of its needle sequences drawn from the phrased ones
+                                     # (draw_task); no effect on phases without phrased tasks
 
 
 # Length curricula. "scratch": from a fresh init. "grow": continue a grown shipped model at the
@@ -174,6 +183,11 @@ PHASES["uuid-long"] = [(1024, 2048) + PHASES["uuid"][0][2:]]
 PHASES["uuid-collide"] = [
     (256, 2048, NIAH_TRAIN_TASKS + ("niah_single_3",) + (COLLIDE_TASK,) * 3 + ("niah_multikey_1",), 2.0, 1.0),
 ]
+# continue a shipped reader on the uuid mix plus needles in other wordings: TRAIN phrasings in the
+# training prose (nbcore/tasks/phrased.py TRAIN_TASKS: one needle, and four keys with one asked),
+# train.phrasings_frac (default 0.5) of the needle sequences; the rest is exactly the uuid mix, so
+# RULER reading is kept while the phrasings are learned
+PHASES["phrasings"] = [(256, 2048, PHASES["uuid"][0][2] + phrased.TRAIN_TASKS, 2.0, 1.0)]
 
 
 def phases_json(phases) -> list:
@@ -592,6 +606,17 @@ def encode_example(ex: dict, tok) -> tuple[list[int], int]:
     return prompt + ans + [tok.eos_token_id], len(prompt)
 
 
+def draw_task(rng: random.Random, tasks, phrasings_frac: float) -> str:
+    """One sequence's task from a phase's list (a task listed twice is drawn twice as often). A list
+    with both phrased and RULER tasks draws a phrased one with probability ``phrasings_frac``, else a
+    RULER one; any other list, uniformly (one rng draw, as before phrased tasks existed)."""
+    phr = [t for t in tasks if t in phrased.TASKS]
+    if not phr or len(phr) == len(tasks):
+        return rng.choice(tasks)
+    rest = [t for t in tasks if t not in phrased.TASKS]
+    return rng.choice(phr if rng.random() < phrasings_frac else rest)
+
+
 def make_batch(step: int, phase: int, tc: TrainConfig, tok):
     """One training batch: ids [B, T], answer mask [B, T] (targets), lm mask [B, T]."""
     rng = random.Random(f"batch|{tc.seed}|{step}")
@@ -605,7 +630,7 @@ def make_batch(step: int, phase: int, tc: TrainConfig, tok):
             ids = tok(text, add_special_tokens=False)["input_ids"][:length]
             seqs.append((ids, len(ids)))
         else:
-            task = rng.choice(tasks)
+            task = draw_task(rng, tasks, tc.phrasings_frac)
             ex = generate_train(task, length, rng.randrange(1 << 30), tok, tc.seed)
             seqs.append(encode_example(ex, tok))
     T = max(len(s) for s, _ in seqs)
@@ -1087,6 +1112,11 @@ def write_readme(out_dir: Path, meta: dict, evals: list[dict]) -> None:
                        for p in meta["phases"])
     phases += "\n  - phase changes in this run: " + json.dumps(meta.get("phase_log", []))
     tr = meta["train"]
+    phr = sorted({t for p in meta["phases"] for t in p[2] if t in phrased.TASKS})
+    phrased_text = "" if not phr else (
+        f"\n  Phrased needles (`nbcore/tasks/phrased.py`: {', '.join(phr)}; the TRAIN phrasings in the "
+        f"training prose, never the HELD-OUT ones) are {tr.get('phrasings_frac', 0.5):.0%} of the needle "
+        f"sequences of a phase that lists them with RULER tasks.")
     bigram = mc.get("bigram_heads", 0)
     where = (f"{bigram}/{mc['heads']} of the shared B/C state dims (C = query, B = key)"
              if mc["family"] == "mamba2" else f"{bigram} of the {mc['heads']} heads per layer")
@@ -1168,7 +1198,7 @@ RULER haystack; it is not a language model of any quality.{about}
   loss leaves chance within ~60 steps. See `lab/backbone.py`.{bigram_text}{product_text}{grown_text}
 - Data, generated on the fly (`nbcore/tasks/ruler.py`, train-split keys, fresh random values):
   the six NIAH tasks of the NoteBank paper over noise and prose haystacks, plus
-  {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:
+  {tr['prose_frac']:.0%} plain prose LM sequences; length curriculum:{phrased_text}
 {phases}
 - Loss: answer CE + {tr['lm_weight']} x LM CE on all other tokens. AdamW lr {tr['lr']} (warm-up
   {tr['warmup_steps']} steps, cosine to {tr['min_lr_frac']} x over the time budget), betas

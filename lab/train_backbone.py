@@ -15,6 +15,9 @@ resolved config, --help every key. Run from the repository root:
         --set curriculum=bind-grow --set train.lr=0.0005 --set train.minutes=45 --set train.threads=1
     # the same with a YAML file (lab/configs/*.yaml carry their launch command in a header comment):
     python lab/train_backbone.py -c lab/configs/tiny-gdn-v5.yaml
+    # continue a shipped reader on the uuid mix plus needles in other wordings (curriculum phrasings,
+    # train.phrasings_frac of the needle sequences; nbcore/tasks/phrased.py TRAIN phrasings only):
+    python lab/train_backbone.py -c lab/configs/tiny-gdn-v6.yaml
 
 Every shipped checkpoint's model card (models/<name>/README.md) gives the exact command chain that
 built it. Old flag -> key: --family model.family, --out out, --run-dir run_dir, --minutes
@@ -51,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 from lab import backbone as bb  # noqa: E402
 from lab.backbone import ModelConfig, TrainConfig  # noqa: E402
-from nbcore.tasks import ruler  # noqa: E402
+from nbcore.tasks import phrased, ruler  # noqa: E402
 from notebank.pipeline.config import ConfigError  # noqa: E402
 
 GROW_ONLY = {"grow_prepend": 0, "new_layer_lr_mult": 1.0, "freeze_new_mixer": False,
@@ -62,7 +65,8 @@ GROW_ONLY = {"grow_prepend": 0, "new_layer_lr_mult": 1.0, "freeze_new_mixer": Fa
 class EvalSpec:
     lengths: list[int] = field(default_factory=lambda: [1024])  # context lengths (tokens) of eval_only
     n: int = 50                          # examples per task and length
-    tasks: list[str] = field(default_factory=lambda: list(ruler.PAPER_SIX))  # RULER tasks
+    tasks: list[str] = field(default_factory=lambda: list(ruler.PAPER_SIX))  # RULER tasks (or phrased ones,
+                                         # nbcore/tasks/phrased.py, e.g. phrased_niah_heldout)
     write_readme: bool = False           # record the scores in train_meta.json and the model card
 
 
@@ -73,8 +77,8 @@ class TrainBackboneConfig:
     out: str = ""                        # HF model dir to write (or, with eval_only, to evaluate); required
     run_dir: str | None = None           # checkpoint dir; default runs/<out name>
     curriculum: str | None = None        # length curriculum by name (scratch, grow, bind, bind-grow, uuid,
-                                         # uuid-long, uuid-collide); null: train.phases, which defaults to
-                                         # grow with train.init_from, else scratch
+                                         # uuid-long, uuid-collide, phrasings); null: train.phases, which
+                                         # defaults to grow with train.init_from, else scratch
     eval_only: bool = False              # evaluate `out` (the eval keys) instead of training; uses
                                          # train.seed, train.threads and train.device
     overwrite: bool = False              # train into an `out` that already holds a checkpoint this run did
@@ -95,9 +99,11 @@ class TrainBackboneConfig:
             raise ConfigError(f"model.offset_heads: pairs [q lag, k lag], got {list(self.model.offset_heads)}")
         if self.eval.n < 1 or not self.eval.lengths or not self.eval.tasks:
             raise ConfigError("eval.n must be >= 1, eval.lengths and eval.tasks non-empty")
-        bad = [t for t in self.eval.tasks if t not in ruler.TASKS]
+        bad = [t for t in self.eval.tasks if not ruler.is_task(t)]
         if bad:
-            raise ConfigError(f"eval.tasks: unknown RULER task(s) {bad}")
+            raise ConfigError(f"eval.tasks: unknown task(s) {bad} (RULER's or nbcore/tasks/phrased.py's)")
+        if not 0.0 <= self.train.phrasings_frac <= 1.0:
+            raise ConfigError(f"train.phrasings_frac must be in [0, 1], got {self.train.phrasings_frac}")
         # grow-only options would otherwise be dropped without a word on a from-scratch run
         grow_only = [f"train.{k}" for k, dflt in GROW_ONLY.items() if getattr(self.train, k) != dflt]
         if grow_only and not self.train.init_from and not self.eval_only:
@@ -137,7 +143,11 @@ def _phase(p, i: int) -> tuple:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"train.phases[{i}]: expected [min len, max len, [tasks], em, budget fraction], "
                           f"got {p!r}") from e
-    bad = [t for t in row[2] if t not in ruler.TASKS and t != bb.COLLIDE_TASK]
+    bad = [t for t in row[2] if t not in ruler.TASKS and t != bb.COLLIDE_TASK and t not in phrased.TRAIN_TASKS]
+    held = [t for t in bad if t in phrased.TASKS]
+    if held:
+        raise ConfigError(f"train.phases[{i}]: {held} use held-out phrasings or prose and are never trained on "
+                          f"(trainable phrased tasks: {list(phrased.TRAIN_TASKS)})")
     if bad or not row[2] or not 0 < row[0] <= row[1]:
         raise ConfigError(f"train.phases[{i}]: {p!r} (unknown task(s) {bad})" if bad else
                           f"train.phases[{i}]: {p!r} needs 0 < min len <= max len and at least one task")

@@ -62,6 +62,11 @@ class RulerJobConfig(BackboneSweepConfig):
     measurement_key: ClassVar[list[str]] = MEASUREMENT_KEY
 
     def validate(self):
+        from nbcore.tasks import ruler
+        bad = [t for t in self.tasks if not ruler.is_task(t)]
+        if bad or not self.tasks:
+            raise ConfigError(f"tasks: unknown task(s) {bad}; RULER tasks {list(ruler.TASKS)}, "
+                              f"other families {ruler.other_tasks()}" if bad else "tasks: none given")
         self.check_backbones()
         self.check_methods([*self.methods, *(m for b in self.backbones for m in b.methods),
                             *(m for ms in self.methods_by_length.values() for m in ms),

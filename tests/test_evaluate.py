@@ -284,7 +284,7 @@ def test_best_variant_must_be_measured_everywhere():
     assert "**embmax_centered** (worst 1.00, mean 1.00;" in text
 
 
-@pytest.mark.parametrize("name", ["eval_ruler", "eval_smoke"])
+@pytest.mark.parametrize("name", ["eval_ruler", "eval_smoke", "eval_phrasings", "eval_phrasings_controls"])
 def test_shipped_eval_configs_load(name):
     """The full sweep and the CI smoke: launch command in the header, every entry plans cells, and
     every model / adapter path is in the repository (a clean clone can run them)."""

@@ -445,9 +445,42 @@ def _make_fwe(task, spec, target, rng, tokenizer, split, alpha=2.0, wordlen=6) -
 # ----------------------------------------------------------------------------------------------
 # public API
 
+#: Task families outside RULER that reuse its keys, values, sizing and scoring. Each module has
+#: ``TASKS`` (name -> spec) and ``generate(task, n_tokens_target, index, tokenizer, seed, split)``;
+#: ``generate`` / ``score`` / ``is_task`` below find their tasks by name, so the ``ruler`` benchmark
+#: (jobs/evaluate.py) and the lab curricula run them like RULER's own. RULER's ``TASKS`` stay as
+#: they are (its examples do not change).
+FAMILY_MODULES = ("nbcore.tasks.phrased",)
+
+
+def _families():
+    import importlib
+    return [importlib.import_module(m) for m in FAMILY_MODULES]
+
+
+def family_of(task: str):
+    """The family module that defines ``task`` (not a RULER task); KeyError for an unknown name."""
+    for mod in _families():
+        if task in mod.TASKS:
+            return mod
+    raise KeyError(f"unknown task {task!r}: RULER tasks are {sorted(TASKS)}, others {sorted(other_tasks())}")
+
+
+def other_tasks() -> list[str]:
+    """Task names of the other families, in their modules' order."""
+    return [t for mod in _families() for t in mod.TASKS]
+
+
+def is_task(task: str) -> bool:
+    """A RULER task or a task of another registered family."""
+    return task in TASKS or task in other_tasks()
+
+
 def generate(task: str, n_tokens_target: int, index: int, tokenizer, seed: int = 0,
              split: str = "test") -> dict:
     """One example; identical for identical (task, target, index, seed, split, tokenizer)."""
+    if task not in TASKS:
+        return family_of(task).generate(task, n_tokens_target, index, tokenizer, seed=seed, split=split)
     spec = TASKS[task]
     split_keys(split)  # validates split
     rng = random.Random(f"ruler|{task}|{n_tokens_target}|{index}|{seed}|{split}")
@@ -474,8 +507,10 @@ def string_match_all(preds, refs) -> float:
 
 
 def score(task: str, prediction: str, answers) -> float:
-    """0-100 score of one prediction (every RULER task here uses string_match_all)."""
-    TASKS[task]
+    """0-100 score of one prediction (every RULER task here, and every other family's, uses
+    string_match_all)."""
+    if task not in TASKS:
+        family_of(task)
     return string_match_all([prediction], [list(answers)])
 
 
