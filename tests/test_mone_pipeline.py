@@ -336,3 +336,18 @@ def test_eval_without_mone_parameters(ray_session, tmp_path):
     assert e.value.code == 2
     s = eval_job.main(["-c", job_yaml(tmp_path / "b.yaml", **bare, methods=["icl", "rag-bm25"])])
     assert (s["cells"], s["cells_failed"]) == (2, 0), s
+
+
+def test_other_context_control_reads_the_other_state():
+    """diagnostics' mone_other: the question of one example over the fast weights of another; with the
+    example itself as `other` it is exactly mone, with a different context it differs."""
+    from nbcore.mone.model import MoNeModel
+    from nbcore.tasks import ruler
+    from nbcore.tasks.tokenizer import load_tokenizer
+    from nbcore.training.mone import answer_nll
+    tok = load_tokenizer(BASE)
+    model = MoNeModel.from_pretrained(BASE, Path(BASE) / "mone").eval()
+    a, b = (ruler.generate("niah_single_1", 300, i, tok, seed=0, split="test") for i in (0, 1))
+    same = answer_nll(model, tok, a, "mone")
+    assert answer_nll(model, tok, a, "mone_other", other=a) == same
+    assert answer_nll(model, tok, a, "mone_other", other=b) != same

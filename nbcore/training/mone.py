@@ -315,11 +315,14 @@ def evaluate(model: MoNeModel, tok, task: str, length: int, n: int, method: str,
 
 
 @torch.no_grad()
-def answer_nll(model: MoNeModel, tok, ex: dict, method: str) -> float:
+def answer_nll(model: MoNeModel, tok, ex: dict, method: str, other: dict | None = None) -> float:
     """Teacher-forced mean CE (nats) of the answer tokens + EOS: ``mone`` (query pass reading the
-    context's fast weights), ``question`` (same query pass, no memory, no context: the floor that
-    shows whether memory carries information), ``icl`` (full context in the prompt)."""
+    context's fast weights), ``mone_other`` (the same query pass reading the fast weights of ``other``,
+    another example's context: equal to ``mone`` when the memory carries nothing about this example),
+    ``question`` (no memory, no context: the frozen base's floor), ``icl`` (full context in the prompt)."""
     q, a0 = encode_query(ex, tok)
+    if method == "mone_other":
+        ex, method = other, "mone"
     if method == "icl":
         ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
         ids, a0, fast = ctx + q, a0 + len(ctx), None
@@ -334,12 +337,13 @@ def answer_nll(model: MoNeModel, tok, ex: dict, method: str) -> float:
     return float(F.cross_entropy(logits, x[0, a0:]))
 
 
-def diagnostics(model: MoNeModel, tok, task: str, length: int, n: int, methods=("mone", "question", "icl"),
-                seed: int = 0) -> dict:
+def diagnostics(model: MoNeModel, tok, task: str, length: int, n: int,
+                methods=("mone", "mone_other", "question", "icl"), seed: int = 0) -> dict:
     task = TASK_ALIASES.get(task, task)
     out = {}
     for m in methods:
-        vals = [answer_nll(model, tok, ruler.generate(task, length, i, tok, seed=seed, split="test"), m)
+        vals = [answer_nll(model, tok, ruler.generate(task, length, i, tok, seed=seed, split="test"), m,
+                           other=ruler.generate(task, length, (i + 1) % n, tok, seed=seed, split="test"))
                 for i in range(n)]
         out[m] = round(sum(vals) / len(vals), 4)
     return out
