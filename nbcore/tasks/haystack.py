@@ -132,7 +132,11 @@ def essay_words() -> tuple[str, ...]:
 
 def essay_slice(n_words: int, start: int = 0) -> str:
     """``n_words`` words of the corpus from word ``start``, cycling through it as needed."""
-    words = essay_words()
+    return cycle_slice(essay_words(), n_words, start)
+
+
+def cycle_slice(words, n_words: int, start: int = 0) -> str:
+    """``n_words`` of ``words`` from index ``start``, cycling through them as needed, space-joined."""
     n = len(words)
     start %= n
     out: list[str] = []

@@ -172,15 +172,7 @@ def words_for_budget(prose: str, tokenizer, start: int, budget: int) -> int:
 
 def prose_slice(prose: str, n_words: int, start: int = 0) -> str:
     """``n_words`` words of the corpus from word ``start``, cycling through it as needed."""
-    words = prose_words(prose)
-    n = len(words)
-    start %= n
-    out: list[str] = []
-    while len(out) < n_words:
-        take = min(n - start, n_words - len(out))
-        out.extend(words[start:start + take])
-        start = 0
-    return " ".join(out)
+    return hs.cycle_slice(prose_words(prose), n_words, start)
 
 
 def needle_regex(fam: Phrasing) -> re.Pattern:
@@ -226,16 +218,7 @@ def generate(task: str, n_tokens_target: int, index: int, tokenizer, seed: int =
     start = 0 if split == "test" else rng.randrange(len(words))
     n_words = words_for_budget(spec.prose, tokenizer, start, target - fixed - sum(t_needles))
     sents = hs.split_sentences(prose_slice(spec.prose, n_words, start))
-    cuts = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(ruler.DEPTHS, len(needles)))
-    cuts.append(len(sents))
-    parts = []
-    for i in range(1, len(cuts)):
-        chunk = " ".join(sents[cuts[i - 1]:cuts[i]])
-        if chunk:
-            parts.append(chunk)
-        if i - 1 < len(needles):
-            parts.append(needles[i - 1])
-    body = " ".join(parts)
+    body = ruler.insert_needles(sents, needles, rng)
     context = body if head is None else head + "\n" + body
     ex = ruler._finish(task, context, question, answers, target, tokenizer, needles=needles,
                        extra={"queries": [query], "keys": keys, "phrasing": fam.name,

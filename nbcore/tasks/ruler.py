@@ -311,19 +311,25 @@ def _make_niah(task: str, spec: NiahSpec, target: int, rng: random.Random, token
         budget = target - fixed - sum(t_needles)
         n_words = _essay_words_for_budget(tokenizer, start, budget)
         sents = hs.split_sentences(hs.essay_slice(n_words, start))
-        cuts = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
-        cuts.append(len(sents))
-        parts = []
-        for i in range(1, len(cuts)):
-            chunk = " ".join(sents[cuts[i - 1]:cuts[i]])
-            if chunk:
-                parts.append(chunk)
-            if i - 1 < len(needles):
-                parts.append(needles[i - 1])
-        body = " ".join(parts)
+        body = insert_needles(sents, needles, rng)
     context = head + "\n" + body
     return _finish(task, context, question, answers, target, tokenizer, needles=needles,
                    extra={"queries": queries, "keys": keys})
+
+
+def insert_needles(sents: list[str], needles: list[str], rng) -> str:
+    """The sentences with each needle after the sentence at a depth drawn from DEPTHS (RULER's
+    sentence-boundary insertion), space-joined."""
+    cuts = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
+    cuts.append(len(sents))
+    parts = []
+    for i in range(1, len(cuts)):
+        chunk = " ".join(sents[cuts[i - 1]:cuts[i]])
+        if chunk:
+            parts.append(chunk)
+        if i - 1 < len(needles):
+            parts.append(needles[i - 1])
+    return " ".join(parts)
 
 
 def _finish(task, context, question, answers, target, tokenizer, needles=(), extra=None) -> dict:
