@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BACKBONES = {"tiny-gdn": "qwen3_5_text", "tiny-gdn-v5": "qwen3_5_text", "tiny-mamba2-p5": "mamba2"}
 MODELS = {**BACKBONES, "tiny-qwen2": "qwen2"}      # tiny-qwen2: the frozen MoNe base (reads no needle)
-SHIPPED = {*MODELS, "tiny-gdn-lora"}               # + the NB-LoRA / plain-LoRA adapters of tiny-gdn
+SHIPPED = {*MODELS, "tiny-gdn-lora", "smollm2-135m-mone"}   # + adapters: NB-LoRA of tiny-gdn, MoNe of SmolLM2
 
 
 def _dir(name: str) -> Path:
