@@ -340,11 +340,10 @@ def answer_nll(model: MoNeModel, tok, ex: dict, method: str, other: dict | None 
 def diagnostics(model: MoNeModel, tok, task: str, length: int, n: int,
                 methods=("mone", "mone_other", "question", "icl"), seed: int = 0) -> dict:
     task = TASK_ALIASES.get(task, task)
+    exs = [ruler.generate(task, length, i, tok, seed=seed, split="test") for i in range(n)]   # once, every method
     out = {}
     for m in methods:
-        vals = [answer_nll(model, tok, ruler.generate(task, length, i, tok, seed=seed, split="test"), m,
-                           other=ruler.generate(task, length, (i + 1) % n, tok, seed=seed, split="test"))
-                for i in range(n)]
+        vals = [answer_nll(model, tok, exs[i], m, other=exs[(i + 1) % n]) for i in range(n)]
         out[m] = round(sum(vals) / len(vals), 4)
     return out
 
