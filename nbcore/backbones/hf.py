@@ -33,9 +33,11 @@ from nbcore.kernels import fast_kernels_enabled, installed as fast_kernels
 class CountingCache(DynamicCache):
     """DynamicCache that counts processed tokens itself.
 
-    transformers' `get_seq_length` only works through attention layers, so pure-recurrent configs
-    (all `linear_attention`) raise on any cached forward. With attention layers present we defer
-    to the parent (their KV length is the truth)."""
+    The position of the next token is ours, not transformers': its `get_seq_length` has changed
+    meaning across releases (5.2x before 5.25 looked up the first attention layer and raised on
+    pure-recurrent configs; 5.25 reads layer 0, which in a hybrid is a linear layer with its own
+    token counter). `n_seen` is set by the backbone after every forward and on restore, so
+    positions are the same on every supported release, pure or hybrid."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -46,9 +48,15 @@ class CountingCache(DynamicCache):
         return any(isinstance(l, CacheLayerMixin) for l in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self._has_attention():
-            return super().get_seq_length(layer_idx)
         return self.n_seen
+
+    def sync_linear_counters(self) -> None:
+        """Set transformers' per-linear-layer token counter (5.25+: `cumulative_length_linear`) to
+        `n_seen`, so that its own bookkeeping (crop, layer-level `get_seq_length`) agrees."""
+        for layer in self.layers:
+            c = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(c, torch.Tensor):
+                c.fill_(self.n_seen)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
@@ -71,6 +79,9 @@ class CountingCache(DynamicCache):
             full[..., :K].copy_(prev)
             full[..., K:].copy_(conv_states)
             prev.copy_(full[..., -layer.conv_kernel_size[state_idx]:])
+            counter = getattr(layer, "cumulative_length_linear", None)    # what the parent would count
+            if state_idx == 0 and isinstance(counter, torch.Tensor):
+                counter.add_(T)
             return full
         return super().update_conv_state(conv_states, layer_idx, state_idx=state_idx, **kwargs)
 
@@ -216,6 +227,7 @@ class HFBackbone(Backbone):
                 layer.update(k.to(dev), tensors[f"layers.{i}.values"].to(dev))
         n = int(tensors["n_tokens"][0])
         cache.n_seen = n
+        cache.sync_linear_counters()
         state.n_tokens = n
         return state
 
