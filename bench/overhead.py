@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -67,6 +68,7 @@ def make_text_input(bb, n_tokens: int, seed: int = 0) -> tuple[str, str]:
 def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int) -> dict:
     """One timed run from text -> stage times (s) and counts."""
     rc = ReadConfig(method=method, top_r=2, max_new_tokens=gen, stop_at_eos=False)
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     c0 = time.process_time()
     t0 = time.perf_counter()
     if method == "plain":
@@ -79,9 +81,13 @@ def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen
     t1 = time.perf_counter()
     ans = answer(bb, res.state, res.archive, question, rc)
     t2 = time.perf_counter()
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     pre, wr = res.timings["prefill_s"], res.timings["write_s"]
     ingest_s = t1 - t0
     return {"total_s": t2 - t0, "cpu_s": time.process_time() - c0, "ingest_s": ingest_s,
+            # kernel time and minor page faults: big temporaries that glibc maps and unmaps per
+            # call are re-faulted every time (README, "Speed"); this shows how much of a run it was
+            "sys_s": ru1.ru_stime - ru0.ru_stime, "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
             # notebank tokenises inside ingest (with sentence offsets): the rest of its ingest time
             "tokenize_s": t_tok if t_tok is not None else ingest_s - pre - wr,
             "prefill_s": pre, "write_s": wr, "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
@@ -108,7 +114,8 @@ def run_ids(bb, ids, question, method: str, cfg: NoteBankConfig, gen: int, block
 run_once = run_ids       # the name bench/gpu scripts import
 
 
-STAGES = ("total_s", "tokenize_s", "prefill_s", "write_s", "probe_s", "route_s", "replay_generate_s")
+STAGES = ("total_s", "tokenize_s", "prefill_s", "write_s", "probe_s", "route_s", "replay_generate_s", "sys_s",
+          "minor_faults")
 
 
 def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
@@ -147,7 +154,14 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
     }
 
 
-def bench(bb, lengths, cfg, gen=32, reps=3, block=65536, log=print, warm=True):
+# The product's ingest block (configs/ingest.yaml, pipeline defaults). On CPU it is also the fast
+# one: a 64K block's activations are >= 32 MiB each, which glibc maps and unmaps on every call, so
+# every forward re-faults them (~5 million minor faults and ~8 s of kernel time per 256K tokens on
+# the 2-core VM); 8K blocks' temporaries are reused from the heap (0 faults).
+DEFAULT_BLOCK = 8192
+
+
+def bench(bb, lengths, cfg, gen=32, reps=3, block=DEFAULT_BLOCK, log=print, warm=True):
     out = {}
     for name in lengths:
         text, question = make_text_input(bb, parse_len(name))
@@ -162,6 +176,7 @@ def bench(bb, lengths, cfg, gen=32, reps=3, block=65536, log=print, warm=True):
         out[name] = row = summarise(name, runs)
         log(f"{name:>5} ({row['tokens']} tok): plain {row['plain_s']:.2f}s  nb {row['nb_s']:.2f}s  "
             f"ratio {row['ratio']:.4f} (cpu {row['cpu_ratio']:.4f}, plain spread {row['plain_spread_pct']}%)  writer share {row['writer_share_pct']:.1f}%  "
+            f"sys {row['stages_median_s']['plain']['sys_s']:.2f}/{row['stages_median_s']['notebank']['sys_s']:.2f}s  "
             f"archive {row['archive']['bytes_measured']} B (Eq. 19: {row['archive']['bytes_eq19']} B)")
     return out
 
@@ -184,7 +199,8 @@ def main(argv=None):
                     "lengths (small: ~1 min per run per 1K tokens on 2 cores)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per method (median; default %(default)s)")
     ap.add_argument("--gen", type=int, default=32, help="generated tokens per answer (default %(default)s)")
-    ap.add_argument("--block", type=int, default=65536, help="tokens per backbone call, both methods")
+    ap.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="tokens per backbone call, both methods "
+                    "(default: the ingest default, %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--route", action="store_true", help="also run the routing benchmark")
     ap.add_argument("--out", default="", help="JSON result file")
