@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from bench.common import machine, median, today, write_json  # noqa: E402
 from nbcore import NoteBankConfig, ReadConfig, answer, ingest, load_backbone  # noqa: E402
 from nbcore import cost  # noqa: E402
+from nbcore.kernels import native  # noqa: E402
 
 K = 1024
 METHODS = ("plain", "notebank")
@@ -226,6 +227,8 @@ def main(argv=None):
            "command": command,
            # glibc's allocator tunables change the noise a lot on a VM (README, "Speed")
            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
+           # NoteBank's CPU feature capture: the C kernel (a compiler was found) or its torch reference
+           "capture_kernel": "native" if native.available() else "torch",
            "lengths": {}}
 
     def save(partial: bool):

@@ -40,6 +40,7 @@ def test_wheel_installs_one_namespace_and_console_scripts(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"nbcore", "notebank"}, tops
     assert "nbcore/tasks/data/prose.txt.gz" in names and "notebank/pipeline/dataplane.py" in names
+    assert "nbcore/kernels/capture.c" in names            # the capture kernel's source, built on first use
     assert not any(n.startswith(("lab/", "bench/", "tests/")) for n in names)
     entry = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for script in ("notebank-ingest", "notebank-query", "notebank-eval", "notebank-train-lora", "notebank-cluster"):
@@ -50,6 +51,7 @@ def test_wheel_installs_one_namespace_and_console_scripts(tmp_path):
     code = ("import importlib.util as u, notebank.pipeline.config as c, notebank.jobs.ingest, nbcore;"
             "assert c.__file__.startswith(%r), c.__file__;"
             "nbcore.open_archive;"
+            "import nbcore.kernels.native as n; assert n.SOURCE.is_file(), n.SOURCE;"
             "print(u.find_spec('pipeline') is None and u.find_spec('jobs') is None)") % str(target)
     # outside the checkout, with the installed copy first on the path
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,

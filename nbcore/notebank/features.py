@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from nbcore.backbones.base import FeatureTap
+from nbcore.kernels import native
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -136,12 +137,16 @@ class ChunkReducer(FeatureTap):
     `n_tokens` (the length of the forward call, when the caller knows it): every layer writes
     straight into one [n_tokens, J] / [n_tokens, J, d_rho] result pair, so `result()` needs no
     concatenation pass over the block's features (without it, per-layer pieces are
-    concatenated at the end; the values are the same)."""
+    concatenated at the end; the values are the same).
+
+    `native=False` keeps `on_segment` on its torch path (the C kernel's reference)."""
 
     def __init__(self, coords: torch.Tensor, heads_per_layer: int, chunk_size: int | None, offset: int = 0,
                  prefix_keys: torch.Tensor | None = None, keep_partial: bool = False,
-                 n_tokens: int | None = None):
+                 n_tokens: int | None = None, native: bool = True):
         self.coords = coords                     # [J, d_rho]
+        self.native = native                     # on_segment may use the C kernel (nbcore.kernels.native)
+        self._coords_cache: dict = {}
         self.n_tokens = n_tokens
         self._buf: tuple[torch.Tensor | None, torch.Tensor] | None = None   # (dist, qc) when n_tokens
         self.H = heads_per_layer
@@ -204,24 +209,49 @@ class ChunkReducer(FeatureTap):
             raise ValueError(f"on_segment: segment at document position {self.offset + a} is not on a "
                              f"chunk boundary (C={self.chunk_size})")
         sl = slice(rec_idx * H, (rec_idx + 1) * H)
-        qh = q.view(n, BH // r, r, c, D)[:, :H, 0]                # [n, H, c, d]: batch 0, one copy per key head
-        kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
-        if r > 1:                                                 # one copy of the key heads (r = 1: a view)
-            qh, kh = qh.contiguous(), kh.contiguous()
-        # Eq. 9: the d_rho coordinates of every head at once, then one converting copy into place
         dr = self.coords.shape[1]
+        C = self.chunk_size
         qc = self._buf[1][pos:pos + t, sl] if self._buf is not None else \
             torch.empty(t, H, dr, dtype=torch.bfloat16, device=q.device)
-        idx = self.coords[sl].to(q.device).view(1, 1, H, dr)
+        d = None
+        if C:
+            d = self._buf[0][pos:pos + t, sl] if self._buf is not None else \
+                torch.empty(t, H, dtype=torch.float32, device=k.device)
+        qh = q.view(n, BH // r, r, c, D)[:, :H, 0]                # [n, H, c, d]: batch 0, one copy per key head
+        kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
+        # the C kernel (nbcore.kernels.native) when it can run here, else the torch path: its reference
+        if not (self.native and native.capture_segment(q, k, r, H, t, self._layer_coords(rec_idx, q.device),
+                                                       qc, d, C)):
+            self._segment_torch(qh, kh, t, sl, qc, d)
+        self.qc.setdefault(rec_idx, []).append(qc)
+        if not C:
+            return
+        g, nb = C // c, t // C
+        rest = t - nb * C
+        if rest or self.keep_partial:
+            tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]             # [rest, H, d]
+            if rest:
+                chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
+        self.dist.setdefault(rec_idx, []).append(d)
+        if self.keep_partial:
+            self._partial[rec_idx] = tail.clone()
+
+    def _segment_torch(self, qh: torch.Tensor, kh: torch.Tensor, t: int, sl: slice, qc: torch.Tensor,
+                       d: torch.Tensor | None) -> None:
+        """`on_segment`'s reduction in torch ops, the reference of the C kernel: compacted queries
+        into qc [t, H, d_rho], and distinctiveness of the whole C-token chunks into d [t, H].
+        qh, kh: [n, H, c, d] views of the kernel's fp32 chunk-major copies (batch 0)."""
+        n, H, c, D = kh.shape
+        qh, kh = qh.contiguous(), kh.contiguous()                 # a copy only when heads are repeated
+        # Eq. 9: the d_rho coordinates of every head at once, then one converting copy into place
+        dr = self.coords.shape[1]
+        idx = self.coords[sl].to(qh.device).view(1, 1, H, dr)
         sel = torch.gather(qh.transpose(1, 2), 3, idx.expand(n, c, H, dr))   # [n, c, H, d_rho] token-major
         qc.copy_(sel.view(n * c, H, dr)[:t])
-        self.qc.setdefault(rec_idx, []).append(qc)
         C = self.chunk_size
         if not C:
             return
         # Eqs. 3, 8 for the whole C-token chunks: heads and kernel chunks batched together
-        d = self._buf[0][pos:pos + t, sl] if self._buf is not None else \
-            torch.empty(t, H, dtype=torch.float32, device=k.device)
         g, nb = C // c, t // C                                    # kernel chunks per NoteBank chunk; full chunks
         if nb:
             m = nb * g                                            # kernel chunks in whole C-token chunks
@@ -233,17 +263,18 @@ class ChunkReducer(FeatureTap):
             # <k_t, mû> against every (chunk, head) mean in one GEMM, then each row's own column: the
             # per-row mat-vec (a batched bmm) is ~3x slower on CPU at these sizes
             allp = x.view(m * H * c, D) @ mu.view(nb * H, D).t()                       # [m*H*c, nb*H]
-            col = self._columns(nb, g, H, c, k.device)
+            col = self._columns(nb, g, H, c, kh.device)
             dot = allp.gather(1, col).view(m, H, c).mul_(inv.view(m, H, c))             # <k̂_t, mû>
             d[: nb * C].view(m, c, H).copy_(dot.transpose(1, 2)).neg_().add_(1.0)
-        rest = t - nb * C
-        if rest or self.keep_partial:
-            tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]             # [rest, H, d]
-            if rest:
-                chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
-        self.dist.setdefault(rec_idx, []).append(d)
-        if self.keep_partial:
-            self._partial[rec_idx] = tail.clone()
+
+    def _layer_coords(self, rec_idx: int, device) -> torch.Tensor:
+        """[H, d_rho] int64 coordinates of layer rec_idx's heads, contiguous on `device` (cached)."""
+        key = (rec_idx, str(device))
+        co = self._coords_cache.get(key)
+        if co is None:
+            co = self._coords_cache[key] = \
+                self.coords[rec_idx * self.H:(rec_idx + 1) * self.H].to(device=device, dtype=torch.int64).contiguous()
+        return co
 
     _COLS: dict = {}
 

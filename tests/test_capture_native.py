@@ -1,0 +1,153 @@
+"""The C capture kernel (nbcore/kernels/capture.c via nbcore.kernels.native) against its reference,
+`ChunkReducer.on_segment`'s torch path, at odd sizes; its bf16 rounding against torch's; and the
+loader's fallbacks (disabled, no compiler, a failing compiler), which must never raise."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from nbcore.kernels import gdn_cpu, native
+from nbcore.notebank.features import ChunkReducer, projection_coords
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler here: the torch path runs")
+
+
+def _feed(red, layer, q, k, r, c=32, segment=2048):
+    """Feed [T, H, d] q/k to red.on_segment as gdn_cpu lays them out (heads repeated r times)."""
+    T = q.shape[0]
+    for a in range(0, T, segment):
+        b = min(T, a + segment)
+        red.on_segment(layer, a, b - a, gdn_cpu._chunked_f32(q[None, a:b], q.shape[1] * r, c),
+                       gdn_cpu._chunked_f32(k[None, a:b], k.shape[1] * r, c))
+
+
+@needs_native
+@pytest.mark.parametrize("T", [1, 33, 512, 2047, 2049, 5000])
+@pytest.mark.parametrize("H,D,dr,C,r,c", [
+    (3, 32, 8, 64, 1, 32),       # odd head count
+    (2, 20, 7, 128, 2, 32),      # D not a multiple of 8 or 4 lanes, repeated heads
+    (4, 64, 16, 512, 3, 64),     # kernel chunk 64
+    (1, 36, 36, 2048, 1, 32),    # every coordinate kept, one chunk per segment
+    (2, 32, 16, None, 2, 32),    # no chunk: compacted queries only
+], ids=["H3", "D20-r2", "c64-r3", "drfull", "noC"])
+@pytest.mark.parametrize("buffered", [True, False], ids=["buf", "nobuf"])
+def test_native_equals_torch_path(T, H, D, dr, C, r, c, buffered):
+    g = torch.Generator().manual_seed(T * 7 + D)
+    layers = 2
+    q = torch.randn(T, layers * H, D, generator=g)
+    k = torch.randn(T, layers * H, D, generator=g) * torch.rand(T, layers * H, 1, generator=g) * 4
+    k[T // 3] = 0.0                                       # |k| = 0: the 1e-12 clamp
+    coords = projection_coords(layers * H, D, dr, seed=3)
+    kw = dict(offset=4096 if C else 0, keep_partial=C is not None, n_tokens=T if buffered else None)
+    ref, fast = ChunkReducer(coords, H, C, native=False, **kw), ChunkReducer(coords, H, C, **kw)
+    for layer in range(layers):
+        sl = slice(layer * H, (layer + 1) * H)
+        _feed(ref, layer, q[:, sl], k[:, sl], r, c)
+        _feed(fast, layer, q[:, sl], k[:, sl], r, c)
+    (d_ref, qc_ref), (d, qc) = ref.result(), fast.result()
+    assert torch.equal(qc, qc_ref)                        # a selection, then the same rounding: exact
+    if C is None:
+        assert d is None and d_ref is None
+        return
+    assert torch.allclose(d, d_ref, atol=2e-6, rtol=0)    # sums in another order (float lanes, double chunk sum)
+    assert torch.equal(fast.partial_keys(), ref.partial_keys())
+
+
+@needs_native
+def test_bf16_rounding_matches_torch():
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3.4e38, -3.4e38,
+                             1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -9, 1.00390625, 65504.0])
+    x = torch.cat([specials, torch.randn(4096 - len(specials)) * 10 ** torch.randint(-30, 30, (4096 - len(specials),))])
+    x = x.view(1, 1, 4096 // 32, 32).contiguous()           # [n=1, BH=1, c=128, D=32]
+    T, D = 128, 32
+    coords = torch.arange(D).view(1, D)
+    qc = torch.empty(T, 1, D, dtype=torch.bfloat16)
+    assert native.capture_segment(x, x, 1, 1, T, coords, qc, None, None)
+    want = x.view(T, 1, D).to(torch.bfloat16)
+    assert torch.equal(qc.view(torch.int16), want.view(torch.int16))
+    nan = torch.full((1, 1, 32, 32), float("nan"))
+    qn = torch.empty(32, 1, D, dtype=torch.bfloat16)
+    assert native.capture_segment(nan, nan, 1, 1, 32, coords, qn, None, None)
+    assert torch.isnan(qn.float()).all()
+
+
+@needs_native
+def test_native_declines_what_it_cannot_take():
+    q = torch.randn(2, 2, 32, 32)
+    coords = torch.zeros(2, 4, dtype=torch.int64)
+    qc = torch.empty(64, 2, 4, dtype=torch.bfloat16)
+    assert not native.capture_segment(q.double(), q.double(), 1, 2, 64, coords, qc, None, None)   # not fp32
+    assert not native.capture_segment(q.transpose(2, 3), q, 1, 2, 64, coords, qc, None, None)     # not contiguous
+    d = torch.empty(64, 2)
+    assert not native.capture_segment(q, q, 1, 2, 64, coords, qc, d, 48)      # C not a multiple of c = 32
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader's state reset, its cache in tmp_path; restored afterwards."""
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "kernels"))
+    monkeypatch.setattr(native, "_LIB", native._UNSET)
+    yield tmp_path / "kernels"
+
+
+def test_disabled_by_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert not native.available()
+    q = torch.randn(1, 1, 32, 32)
+    assert not native.capture_segment(q, q, 1, 1, 32, torch.zeros(1, 2, dtype=torch.int64),
+                                      torch.empty(32, 1, 2, dtype=torch.bfloat16), None, None)
+
+
+def test_no_compiler_falls_back(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    with caplog.at_level(logging.INFO, logger=native.__name__):
+        assert not native.available()
+    assert "torch path" in caplog.text
+    # and the reducer still works, on its torch path
+    coords = projection_coords(2, 32, 8, seed=0)
+    q = torch.randn(100, 2, 32)
+    red = ChunkReducer(coords, 2, 64)
+    _feed(red, 0, q, q, 1)
+    ref = ChunkReducer(coords, 2, 64)
+    ref.on_layer(0, q, q)
+    assert torch.equal(red.result()[1], ref.result()[1])
+
+
+def test_failing_compiler_is_logged_not_raised(fresh_loader, monkeypatch, tmp_path, caplog):
+    bad = tmp_path / "badcc"
+    bad.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 3\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CC", str(bad))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert not native.available()
+    assert "broken compiler" in caplog.text
+    assert not list(fresh_loader.glob("*.so"))            # nothing half-written left in the cache
+
+
+@needs_native
+def test_build_is_cached_under_a_content_key(fresh_loader):
+    assert native.available()
+    built = list(fresh_loader.glob("capture-*.so"))
+    assert len(built) == 1 and not list(fresh_loader.glob("*.tmp"))
+    mtime = built[0].stat().st_mtime_ns
+    native._LIB = native._UNSET
+    assert native.available()                             # loaded again: not rebuilt
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+@needs_native
+def test_archives_equal_with_native_and_torch_capture(monkeypatch):
+    """A real ingest (tiny GDN, text with sentences) writes the same archive either way."""
+    from nbcore import NoteBankConfig, ingest, load_backbone
+    bb = load_backbone("models/tiny-gdn-v5")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "the", "a", "of", "blue", "seven"]
+    text = " ".join(" ".join(rng.choice(words, 12)) + "." for _ in range(500))
+    cfg = NoteBankConfig()
+    a = ingest(bb, text, cfg, block_size=4096)
+    monkeypatch.setenv(native.ENV, "0")
+    b = ingest(bb, text, cfg, block_size=4096)
+    assert a.n_tokens > 4096 and len(a.archive) > 4
+    assert torch.equal(a.archive.addresses, b.archive.addresses)
+    assert [t.tolist() for t in a.archive.token_ids] == [t.tolist() for t in b.archive.token_ids]
