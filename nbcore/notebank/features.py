@@ -217,22 +217,26 @@ class ChunkReducer(FeatureTap):
         if C:
             d = self._buf[0][pos:pos + t, sl] if self._buf is not None else \
                 torch.empty(t, H, dtype=torch.float32, device=k.device)
-        qh = q.view(n, BH // r, r, c, D)[:, :H, 0]                # [n, H, c, d]: batch 0, one copy per key head
-        kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
         # the C kernel (nbcore.kernels.native) when it can run here, else the torch path: its reference
+        kh = None
         if not (self.native and native.capture_segment(q, k, r, H, t, self._layer_coords(rec_idx, q.device),
                                                        qc, d, C)):
-            self._segment_torch(qh, kh, t, sl, qc, d)
+            kh = k.view(n, BH // r, r, c, D)[:, :H, 0]            # [n, H, c, d]: batch 0, one copy per key head
+            self._segment_torch(q.view(n, BH // r, r, c, D)[:, :H, 0], kh, t, sl, qc, d)
         self.qc.setdefault(rec_idx, []).append(qc)
         if not C:
             return
-        g, nb = C // c, t // C
-        rest = t - nb * C
-        if rest or self.keep_partial:
-            tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]             # [rest, H, d]
-            if rest:
-                chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
         self.dist.setdefault(rec_idx, []).append(d)
+        rest = t % C
+        if not rest:
+            if self.keep_partial:                                 # ends on a chunk boundary: nothing pending
+                self._partial[rec_idx] = k.new_empty(0, H, D)
+            return
+        g, nb = C // c, t // C
+        if kh is None:
+            kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
+        tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]                 # [rest, H, d]
+        chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
         if self.keep_partial:
             self._partial[rec_idx] = tail.clone()
 
