@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["capture_segment", "available", "library_path", "ENV", "ENV_CACHE"]
+__all__ = ["capture_segment", "capture_into", "available", "library_path", "ENV", "ENV_CACHE"]
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +155,23 @@ def capture_segment(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, co
             d.stride(1) if d is not None else 0, int(chunk_size or 0),
             scratch.data_ptr() if scratch is not None else None)
     return rc == 0
+
+
+def capture_into(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, coords_ptr: int, dr: int,
+                 qc_ptr: int, qc_tok: int, qc_head: int, d_ptr: int | None, d_tok: int, d_head: int,
+                 chunk_size: int) -> bool:
+    """`capture_segment` with the outputs given as raw addresses (elements of bf16 / fp32) and their
+    strides in elements, and coords as the address of a contiguous [H, dr] int64 array: for a
+    caller that owns those buffers and calls per segment (`ChunkReducer` with `n_tokens`), so that
+    a call makes no tensor views. The caller keeps every buffer alive and in bounds; q, k are
+    checked as in `capture_segment`."""
+    if not (q.dtype is torch.float32 and k.dtype is torch.float32 and q.is_contiguous() and k.is_contiguous()
+            and q.device.type == "cpu" and _enabled()):
+        return False
+    fn = _load()
+    if fn is None:
+        return False
+    n, BH, c, D = k.shape
+    scratch = _scratch(int(chunk_size)).data_ptr() if d_ptr is not None else None
+    return fn(q.data_ptr(), k.data_ptr(), n, BH, c, D, r, H, t, coords_ptr, dr, qc_ptr, qc_tok, qc_head,
+              d_ptr, d_tok, d_head, int(chunk_size or 0), scratch) == 0

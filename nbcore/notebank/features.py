@@ -147,6 +147,8 @@ class ChunkReducer(FeatureTap):
         self.coords = coords                     # [J, d_rho]
         self.native = native                     # on_segment may use the C kernel (nbcore.kernels.native)
         self._coords_cache: dict = {}
+        self._ptrs: tuple | None = None          # addresses of the n_tokens buffers (native path)
+        self._empty_keys: torch.Tensor | None = None
         self.n_tokens = n_tokens
         self._buf: tuple[torch.Tensor | None, torch.Tensor] | None = None   # (dist, qc) when n_tokens
         self.H = heads_per_layer
@@ -188,7 +190,6 @@ class ChunkReducer(FeatureTap):
         C = self.chunk_size
         return not C or (C % kernel_chunk == 0 and segment % C == 0)
 
-    @torch.no_grad()
     def on_segment(self, rec_idx: int, a: int, t: int, q: torch.Tensor, k: torch.Tensor) -> None:
         """The same reduction as `on_layer`, fed by a CPU kernel (nbcore.kernels.gdn_cpu) from the
         chunk-major fp32 copies it makes anyway, before it normalises them: no strided read of the
@@ -208,9 +209,17 @@ class ChunkReducer(FeatureTap):
         if self.chunk_size and (self.offset + a) % self.chunk_size:
             raise ValueError(f"on_segment: segment at document position {self.offset + a} is not on a "
                              f"chunk boundary (C={self.chunk_size})")
+        C = self.chunk_size
+        if self._buf is not None and self.native and self._native_into(rec_idx, pos, t, q, k, r):
+            # written straight into the block's buffers: no views made per call (at ~30 tensor
+            # calls per segment, dispatch between the kernel's big ops cost as much as the work)
+            self.qc.setdefault(rec_idx, [])
+            if C:
+                self.dist.setdefault(rec_idx, [])
+                self._after_chunks(rec_idx, pos, t, k, r, None)
+            return
         sl = slice(rec_idx * H, (rec_idx + 1) * H)
         dr = self.coords.shape[1]
-        C = self.chunk_size
         qc = self._buf[1][pos:pos + t, sl] if self._buf is not None else \
             torch.empty(t, H, dr, dtype=torch.bfloat16, device=q.device)
         d = None
@@ -222,23 +231,58 @@ class ChunkReducer(FeatureTap):
         if not (self.native and native.capture_segment(q, k, r, H, t, self._layer_coords(rec_idx, q.device),
                                                        qc, d, C)):
             kh = k.view(n, BH // r, r, c, D)[:, :H, 0]            # [n, H, c, d]: batch 0, one copy per key head
-            self._segment_torch(q.view(n, BH // r, r, c, D)[:, :H, 0], kh, t, sl, qc, d)
+            with torch.no_grad():
+                self._segment_torch(q.view(n, BH // r, r, c, D)[:, :H, 0], kh, t, sl, qc, d)
         self.qc.setdefault(rec_idx, []).append(qc)
         if not C:
             return
         self.dist.setdefault(rec_idx, []).append(d)
+        self._after_chunks(rec_idx, pos, t, k, r, kh)
+
+    def _after_chunks(self, rec_idx: int, pos: int, t: int, k: torch.Tensor, r: int, kh: torch.Tensor | None):
+        """The segment's trailing partial chunk, if any: its distinctiveness (within the partial
+        chunk, as `chunk_distinctiveness`) and, with keep_partial, its raw keys."""
+        C, H = self.chunk_size, self.H
+        n, BH, c, D = k.shape
         rest = t % C
         if not rest:
             if self.keep_partial:                                 # ends on a chunk boundary: nothing pending
-                self._partial[rec_idx] = k.new_empty(0, H, D)
+                self._partial[rec_idx] = self._no_keys(k)
             return
         g, nb = C // c, t // C
         if kh is None:
             kh = k.view(n, BH // r, r, c, D)[:, :H, 0]
         tail = kh[nb * g:].permute(0, 2, 1, 3).reshape(-1, H, D)[:rest]                 # [rest, H, d]
-        chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
-        if self.keep_partial:
-            self._partial[rec_idx] = tail.clone()
+        d = self._buf[0][pos:pos + t, rec_idx * H:(rec_idx + 1) * H] if self._buf is not None else \
+            self.dist[rec_idx][-1]
+        with torch.no_grad():
+            chunk_distinctiveness(tail, C, 0, out=d[nb * C:])
+            if self.keep_partial:
+                self._partial[rec_idx] = tail.clone()
+
+    def _no_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """[0, H, d] fp32: no pending keys (one per reducer, shared by its layers)."""
+        e = self._empty_keys
+        if e is None or e.shape[2] != k.shape[3] or e.device != k.device:
+            e = self._empty_keys = k.new_empty(0, self.H, k.shape[3])
+        return e
+
+    def _native_into(self, rec_idx: int, pos: int, t: int, q: torch.Tensor, k: torch.Tensor, r: int) -> bool:
+        """`native.capture_into` on this block's buffers at tokens pos .. pos+t-1 of layer rec_idx."""
+        ptrs = self._ptrs
+        if ptrs is None:
+            d_buf, q_buf = self._buf
+            if q_buf.device.type != "cpu" or not q_buf.is_contiguous() or \
+                    (d_buf is not None and not d_buf.is_contiguous()):
+                return False
+            ptrs = self._ptrs = (q_buf.data_ptr(), d_buf.data_ptr() if d_buf is not None else None)
+        qc_base, d_base = ptrs
+        J, dr = self.coords.shape
+        H = self.H
+        coords = self._layer_coords(rec_idx, q.device)
+        row = pos * J + rec_idx * H                               # element offset of (pos, first head)
+        return native.capture_into(q, k, r, H, t, coords.data_ptr(), dr, qc_base + 2 * row * dr, J * dr, dr,
+                                   d_base + 4 * row if d_base is not None else None, J, 1, self.chunk_size or 0)
 
     def _segment_torch(self, qh: torch.Tensor, kh: torch.Tensor, t: int, sl: slice, qc: torch.Tensor,
                        d: torch.Tensor | None) -> None:
@@ -273,7 +317,7 @@ class ChunkReducer(FeatureTap):
 
     def _layer_coords(self, rec_idx: int, device) -> torch.Tensor:
         """[H, d_rho] int64 coordinates of layer rec_idx's heads, contiguous on `device` (cached)."""
-        key = (rec_idx, str(device))
+        key = (rec_idx, device)
         co = self._coords_cache.get(key)
         if co is None:
             co = self._coords_cache[key] = \
