@@ -151,3 +151,33 @@ def test_archives_equal_with_native_and_torch_capture(monkeypatch):
     assert a.n_tokens > 4096 and len(a.archive) > 4
     assert torch.equal(a.archive.addresses, b.archive.addresses)
     assert [t.tolist() for t in a.archive.token_ids] == [t.tolist() for t in b.archive.token_ids]
+
+
+@needs_native
+def test_avx2_clone_and_baseline_builds_agree_bitwise(tmp_path):
+    """capture.c's AVX2 clone (x86-64 Linux GCC) and its baseline build give the same bits."""
+    import ctypes
+    import subprocess
+    libs = []
+    for i, extra in enumerate(((), ("-DNB_NO_CLONES",))):
+        out = tmp_path / f"k{i}.so"
+        subprocess.run([native._compiler(), *native.FLAGS, *extra, "-o", str(out), str(native.SOURCE), "-lm"],
+                       check=True, capture_output=True)
+        fn = ctypes.CDLL(str(out)).nb_capture_segment
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+        libs.append(fn)
+    g = torch.Generator().manual_seed(0)
+    for H, D, dr, C, r in [(4, 32, 16, 512, 1), (3, 20, 7, 128, 2), (1, 36, 36, 2048, 1)]:
+        T, c = 4096, 32
+        n = T // c
+        q = torch.randn(n, H * r, c, D, generator=g)
+        k = torch.randn(n, H * r, c, D, generator=g) * 3
+        coords = torch.stack([torch.randperm(D, generator=g)[:dr] for _ in range(H)])
+        outs = []
+        for fn in libs:
+            qc, d, sc = torch.zeros(T, H, dr, dtype=torch.bfloat16), torch.zeros(T, H), torch.empty(C)
+            assert fn(q.data_ptr(), k.data_ptr(), n, H * r, c, D, r, H, T, coords.data_ptr(), dr, qc.data_ptr(),
+                      H * dr, dr, d.data_ptr(), H, 1, C, sc.data_ptr()) == 0
+            outs.append((qc, d))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
