@@ -322,6 +322,9 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
                 el = time.perf_counter() - t_start
                 bar.set_postfix(tokens=stats["tokens"], tok_s=f"{stats['tokens'] / max(el, 1e-9):.0f}", refresh=False)
         bar.close()
+        # every batch is committed: temporaries left now are orphans of an actor killed mid-write
+        # (Ray Data retried its batch elsewhere); the run holds the lease, so no writer is live
+        store.clean_tmp()
     wall = time.perf_counter() - t_start
     return {**stats, "docs_deferred": counts.get("deferred", 0), "memory": cfg.memory, "wall_s": round(wall, 3),
             "tokens_per_s": round(stats["tokens"] / wall, 1) if wall > 0 else 0.0, "output": cfg.output,
