@@ -14,7 +14,9 @@ The shared library is cached in `$NB_KERNEL_CACHE`, else `~/.cache/notebank/kern
 keyed by the source, the flags, the compiler's version and the machine; it is written to a
 temporary file and renamed, so concurrent actors on one host never load a partial file.
 Flags: `-O3 -ffp-contract=off -fno-math-errno` (no fused multiply-add: the same numbers on every
-x86-64 and aarch64 build; sqrt inlined), no `-march=native` (a cache on a shared home folder may serve other CPUs).
+x86-64 and aarch64 build; sqrt inlined), no `-march=native` (a cache on a shared home folder may
+serve other CPUs); an AVX2 clone where the toolchain makes one (capture.c, same bits), else a build
+without clones.
 """
 from __future__ import annotations
 
@@ -142,24 +144,14 @@ def capture_segment(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, co
     h*r of batch 0). t: valid tokens (rows past t are padding). coords: [H, d_rho] int64.
     qc: [t, H, d_rho] bfloat16 out (any token/head strides, unit stride inside). d: [t, H] float32
     out or None; only its first (t // chunk_size) * chunk_size rows are written."""
-    if not _enabled() or q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32:
-        return False
-    if not (q.is_contiguous() and k.is_contiguous()) or q.shape != k.shape or qc.dtype != torch.bfloat16:
+    if q.shape != k.shape or qc.dtype != torch.bfloat16:
         return False
     if qc.stride(2) != 1 or (d is not None and (d.dtype != torch.float32 or not chunk_size)):
         return False
-    fn = _load()
-    if fn is None:
-        return False
-    n, BH, c, D = k.shape
     coords = coords.to(torch.int64).contiguous()
-    scratch = _scratch(int(chunk_size)) if d is not None else None    # 1/|k_t| of one chunk
-    rc = fn(q.data_ptr(), k.data_ptr(), n, BH, c, D, r, H, t, coords.data_ptr(), coords.shape[1],
-            qc.data_ptr(), qc.stride(0), qc.stride(1),
-            d.data_ptr() if d is not None else None, d.stride(0) if d is not None else 0,
-            d.stride(1) if d is not None else 0, int(chunk_size or 0),
-            scratch.data_ptr() if scratch is not None else None)
-    return rc == 0
+    return capture_into(q, k, r, H, t, coords.data_ptr(), coords.shape[1], qc.data_ptr(), qc.stride(0),
+                        qc.stride(1), d.data_ptr() if d is not None else None, d.stride(0) if d is not None else 0,
+                        d.stride(1) if d is not None else 0, int(chunk_size or 0))
 
 
 def capture_into(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, coords_ptr: int, dr: int,
