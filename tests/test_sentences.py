@@ -142,3 +142,74 @@ def test_specials_and_dropped_characters_from_offsets():
     # a token holding the boundary character and more ends the sentence after itself
     assert sentence_ids_from_offsets("ab.\ncd", np.array([[0, 2], [2, 4], [4, 6]])).tolist() == [0, 0, 1]
     assert sentence_ids_from_offsets("", np.zeros((0, 2))).shape == (0,)
+
+
+# ---- fast path: offsets from the token strings (sentences._fast_offsets) ------------------------
+def _trained_byte_bpe(template: bool, trim: bool = False):
+    """A byte-level BPE with merges (GPT-2 style: multi-byte characters split or merged, a leading
+    space glued to words), trained here in milliseconds; template=True adds <s> ... </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [t for t, _ in CASES.values()] * 20 + ["The quick brown fox. Jumps over the lazy dog!"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if template:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                           special_tokens=[("<s>", 0), ("</s>", 1)])
+    if trim:
+        tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def _fast_cases():
+    rng = np.random.default_rng(0)
+    alphabet = list("abc XYZ.!?…\n\t\"')]}」』。！？晴れ雨 3.14 e.g. “”’") + ["  ", "...", "\n\n"]
+    texts = [t for t, _ in CASES.values()]
+    texts += ["".join(rng.choice(alphabet, size=int(rng.integers(1, 80)))) for _ in range(60)]
+    return texts
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "byte-bpe", "byte-bpe-template"])
+def test_fast_offsets_equal_the_tokenizers(kind):
+    from nbcore.notebank import sentences
+    if kind == "byte":
+        tok = byte_tokenizer()
+    elif kind == "bpe":
+        from nbcore.tasks.tokenizer import load_tokenizer
+        tok = load_tokenizer()
+    else:
+        tok = _trained_byte_bpe(template=kind.endswith("template"))
+    fast_used = 0
+    for text in _fast_cases():
+        for specials in (False, True):
+            enc = tok(text, add_special_tokens=specials, return_offsets_mapping=True)
+            ids = np.asarray(enc["input_ids"], dtype=np.int64)
+            off = sentences._fast_offsets(tok, text, ids, specials)
+            if off is not None:                       # where it answers, it answers what the tokenizer says
+                fast_used += 1
+                assert off.tolist() == [list(p) for p in enc["offset_mapping"]], text
+            got = sentences.tokenize_with_sentences(tok, text, specials, fast=True)
+            want = sentences.tokenize_with_sentences(tok, text, specials, fast=False)
+            assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), text
+    # the fast path is taken wherever the tokens spell the text: everywhere for the byte-level
+    # vocabularies; for the tiny BPE (non-ASCII characters -> <unk>) on the ASCII texts
+    texts = _fast_cases()
+    assert fast_used == 2 * (sum(t.isascii() for t in texts) if kind == "bpe" else len(texts))
+
+
+def test_fast_offsets_decline_what_they_cannot_follow():
+    from tokenizers import normalizers
+    from nbcore.notebank import sentences
+    trimmed = _trained_byte_bpe(template=False, trim=True)       # offsets trimmed of their spaces
+    assert sentences._table(trimmed) is None
+    lower = byte_tokenizer()
+    lower.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert sentences._table(lower) is None
+    tok = byte_tokenizer()
+    ids = np.asarray(tok("Hi. Yo")["input_ids"], dtype=np.int64)
+    assert sentences._fast_offsets(tok, "Hi. Yo", ids, True) is not None
+    assert sentences._fast_offsets(tok, "Hi! Yo", ids, True) is None       # ids of another text
+    assert sentences._fast_offsets(tok, "Hi. Yo", ids[:-1], True) is None
