@@ -291,6 +291,27 @@ def test_kernels_equal_reference_functions():
         assert torch.equal(got[1], assign_addresses(dist, qc, 50, 70, m))
 
 
+def test_sentence_span_lookup_equals_search():
+    """The device writer's O(1) sentence bounds (write.sentence_spans) answer as the reference's
+    searchsorted (write._sentence_bounds) for every token and clipping range, and so do the spans
+    grown from them."""
+    from nbcore.notebank.write import _sentence_bounds, sentence_spans, span_from_window
+    rng = np.random.default_rng(5)
+    for T in (1, 2, 7, 64, 301):
+        sent = np.cumsum(rng.random(T) < rng.choice([0.02, 0.2, 0.7]))
+        first, end = sentence_spans(sent)
+        for _ in range(200):
+            lo = int(rng.integers(0, T))
+            hi = int(rng.integers(lo + 1, T + 1))
+            t = int(rng.integers(lo, hi))
+            assert (max(lo, int(first[t])), min(hi, int(end[t]))) == _sentence_bounds(sent, t, lo, hi)
+            ws = int(rng.integers(lo, hi))
+            we = int(rng.integers(ws + 1, hi + 1))
+            B = int(rng.integers(1, 70))
+            fast = span_from_window(None, ws, we, lo, hi, B,
+                                    bounds=lambda t, a, b: (max(a, int(first[t])), min(b, int(end[t]))))
+            assert fast == span_from_window(sent, ws, we, lo, hi, B)
+
 # ---- host transfers -------------------------------------------------------------------------------
 class Watched(torch.Tensor):
     """Records every way a tensor's values can leave torch: .cpu() / .to(cpu) / .numpy() /

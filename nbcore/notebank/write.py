@@ -60,24 +60,41 @@ def _sentence_bounds(sent: np.ndarray, t: int, lo: int, hi: int) -> tuple[int, i
     return s, e
 
 
-def span_from_window(sent: np.ndarray, ws: int, we: int, lo: int, hi: int, B: int) -> tuple[int, int, int, int]:
+def sentence_spans(sent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> (first [T], end [T]): the [first, end) token range of each token's sentence (sent: ids,
+    non-decreasing). O(1) lookups for `span_from_window(bounds=...)`, the same answers as
+    `_sentence_bounds` once clipped to a range containing the token."""
+    T = len(sent)
+    if T == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    cut = np.flatnonzero(sent[1:] != sent[:-1]) + 1              # first token of every later sentence
+    rank = np.zeros(T, np.int64)
+    rank[cut] = 1
+    np.cumsum(rank, out=rank)                                    # sentence number of each token
+    return np.concatenate([[0], cut])[rank], np.concatenate([cut, [T]])[rank]
+
+
+def span_from_window(sent: np.ndarray, ws: int, we: int, lo: int, hi: int, B: int,
+                     bounds=None) -> tuple[int, int, int, int]:
     """Note span seeded by window [ws, we) inside the region [lo, hi).
 
     -> (span_start, span_end, excl_start, excl_end): the excluded range covers every sentence
-    overlapping the span (== the span unless the seed sentence was cut to B tokens)."""
+    overlapping the span (== the span unless the seed sentence was cut to B tokens).
+    bounds: optional fn(t, lo, hi) -> `_sentence_bounds(sent, t, lo, hi)` (a faster lookup)."""
+    sb = bounds or (lambda t, a, b: _sentence_bounds(sent, t, a, b))
     center = ws + (we - ws - 1) // 2
-    ss, se = _sentence_bounds(sent, center, lo, hi)
+    ss, se = sb(center, lo, hi)
     if se - ss > B:
         start = min(max(ws, ss), se - B)
         return start, start + B, ss, se
     while True:
         grown = False
         if ss > lo:
-            ls, _ = _sentence_bounds(sent, ss - 1, lo, hi)
+            ls, _ = sb(ss - 1, lo, hi)
             if se - ls <= B:
                 ss, grown = ls, True
         if se < hi:
-            _, re_ = _sentence_bounds(sent, se, lo, hi)
+            _, re_ = sb(se, lo, hi)
             if re_ - ss <= B:
                 se, grown = re_, True
         if not grown:

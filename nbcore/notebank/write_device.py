@@ -44,7 +44,7 @@ import torch
 
 from nbcore.config import NoteBankConfig
 from nbcore.notebank.features import l2_normalize
-from nbcore.notebank.write import ArchiveWriter, WriterCarry, _snap, _Tail, query_novelty, span_from_window
+from nbcore.notebank.write import ArchiveWriter, WriterCarry, _snap, _Tail, query_novelty, sentence_spans, span_from_window
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +162,15 @@ class DeviceArchiveWriter(ArchiveWriter):
         self._sd: Rows | None = None
         self._sq: Rows | None = None
         self._ss: torch.Tensor | None = None
+        self._spans_of: np.ndarray | None = None             # the sent array `_spans` indexes
+        self._spans: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _bounds(self, off: int):
+        """fn(t, lo, hi) -> `_sentence_bounds(self.sent[off:...], t, lo, hi)` by table lookup."""
+        if self._spans_of is not self.sent:                  # built once per (extended) id list
+            self._spans, self._spans_of = sentence_spans(self.sent), self.sent
+        first, end = self._spans
+        return lambda t, lo, hi: (max(lo, int(first[off + t]) - off), min(hi, int(end[off + t]) - off))
 
     # ---- stream -----------------------------------------------------------------------------
     @staticmethod
@@ -282,8 +291,7 @@ class DeviceArchiveWriter(ArchiveWriter):
                 win[i] = (int(r1[j, 0]), int(r1[j, 0]) + w)
         spans, subs = [], []
         for i, (c, rs, re_) in enumerate(regions):
-            sent = self.sent[rs - b:re_ - b]
-            s1, e1, xs, xe = span_from_window(sent, *win[i], 0, lens[i], B)
+            s1, e1, xs, xe = span_from_window(None, *win[i], 0, lens[i], B, bounds=self._bounds(rs - b))
             spans.append([(s1, e1)])
             if W >= 2:
                 subs += [(i, lo, hi) for lo, hi in ((0, xs), (xe, lens[i])) if hi > lo]
@@ -316,7 +324,7 @@ class DeviceArchiveWriter(ArchiveWriter):
                 # highest score; ties -> earlier window (left sub-region comes first)
                 ws2, we2, _, lo, hi = max(cs, key=lambda c: (float(_snap(c[2])), -c[0]))
                 rs, re_ = regions[i][1], regions[i][2]
-                s2, e2, _, _ = span_from_window(self.sent[rs - b:re_ - b], ws2, we2, lo, hi, B)
+                s2, e2, _, _ = span_from_window(None, ws2, we2, lo, hi, B, bounds=self._bounds(rs - b))
                 spans[i].append((s2, e2))
 
         # round 3: addresses of every note
