@@ -201,17 +201,22 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
     t_fwd = t_write = 0.0
     ids_t = torch.from_numpy(ids)
     tap = None
+    reuse = None                       # the previous block's feature buffers, written again
     for b0 in range(0, T, block):
         chunk = ids_t[b0:b0 + block]
         t0 = time.perf_counter()
         if writer is not None:
-            tap = ChunkReducer(coords, bb.heads_per_layer, C, offset=b0, keep_partial=True, n_tokens=len(chunk))
+            tap = ChunkReducer(coords, bb.heads_per_layer, C, offset=b0, keep_partial=True, n_tokens=len(chunk),
+                               buffers=reuse)
             bb.forward(state, chunk, tap=tap, need_logits=False)
             t1 = time.perf_counter()
             dist, qc = tap.result()
             writer.feed(dist, qc)
             for w in extra:
                 w.feed(dist, qc)
+            # writers copy what they keep of a block that ends on a chunk boundary (every block
+            # but maybe the last), so its buffers can take the next block
+            reuse = (dist, qc) if len(chunk) % C == 0 else None
             t_write += time.perf_counter() - t1
             t_fwd += t1 - t0
         else:

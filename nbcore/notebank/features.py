@@ -139,11 +139,16 @@ class ChunkReducer(FeatureTap):
     concatenation pass over the block's features (without it, per-layer pieces are
     concatenated at the end; the values are the same).
 
-    `native=False` keeps `on_segment` on its torch path (the C kernel's reference)."""
+    `native=False` keeps `on_segment` on its torch path (the C kernel's reference).
+
+    `buffers`: a previous reducer's `result()` pair to write into again (same n_tokens, channels,
+    d_rho and device), so that a long read does not fault in fresh pages every block; the caller
+    must be done with the previous block's features (`ingest` is: its writers copy what they keep)."""
 
     def __init__(self, coords: torch.Tensor, heads_per_layer: int, chunk_size: int | None, offset: int = 0,
                  prefix_keys: torch.Tensor | None = None, keep_partial: bool = False,
-                 n_tokens: int | None = None, native: bool = True):
+                 n_tokens: int | None = None, native: bool = True,
+                 buffers: tuple[torch.Tensor | None, torch.Tensor] | None = None):
         self.coords = coords                     # [J, d_rho]
         self.native = native                     # on_segment may use the C kernel (nbcore.kernels.native)
         self._coords_cache: dict = {}
@@ -151,6 +156,7 @@ class ChunkReducer(FeatureTap):
         self._empty_keys: torch.Tensor | None = None
         self.n_tokens = n_tokens
         self._buf: tuple[torch.Tensor | None, torch.Tensor] | None = None   # (dist, qc) when n_tokens
+        self._reuse = buffers
         self.H = heads_per_layer
         self.chunk_size = chunk_size
         self.offset = offset
@@ -175,9 +181,13 @@ class ChunkReducer(FeatureTap):
                 raise ValueError(f"ChunkReducer(n_tokens={self.n_tokens}): layer {rec_idx} got {pos + t} tokens")
             if self._buf is None:
                 J, d = self.coords.shape
-                self._buf = (torch.empty(self.n_tokens, J, dtype=torch.float32, device=device)
-                             if self.chunk_size else None,
-                             torch.empty(self.n_tokens, J, d, dtype=torch.bfloat16, device=device))
+                rd, rq = self._reuse if self._reuse is not None else (None, None)
+                fits = rq is not None and tuple(rq.shape) == (self.n_tokens, J, d) and rq.device == torch.device(device) \
+                    and ((rd is None) if not self.chunk_size else (rd is not None and tuple(rd.shape) == (self.n_tokens, J)))
+                self._buf = (rd, rq) if fits else \
+                    (torch.empty(self.n_tokens, J, dtype=torch.float32, device=device) if self.chunk_size else None,
+                     torch.empty(self.n_tokens, J, d, dtype=torch.bfloat16, device=device))
+                self._reuse = None
         return pos
 
     # --- the kernel-side path ---------------------------------------------------------------
