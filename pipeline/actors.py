@@ -53,8 +53,11 @@ def build_memory(model: dict, memory: str = "notebank", nb: dict | None = None, 
     (the tokenizer of model.tokenizer, else the checkpoint's own)."""
     from nbcore.memory import get_backend
     from nbcore.backbones.loading import build_backbone, build_tokenizer, tokenizer_fingerprint
+    from notebank.pipeline.allocator import runs_on_cpu, tune_cpu_malloc
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
+    if runs_on_cpu(model):
+        tune_cpu_malloc()              # stable heap reuse for the forward's temporaries (pipeline/allocator.py)
     if memory == "mone":
         tok = build_tokenizer(model["tokenizer"]) if model.get("tokenizer") else None
         backend = get_backend("mone", base_dir=model["path"], adapters=mone_adapters, tokenizer=tok,

@@ -26,8 +26,11 @@ def _err(e: BaseException) -> str:
 
 class NoteBankWorker:
     def __init__(self, model: dict, torch_threads: int = 1):
+        from notebank.pipeline.allocator import runs_on_cpu, tune_cpu_malloc
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
+        if runs_on_cpu(model):
+            tune_cpu_malloc()          # stable heap reuse for the forward's temporaries (pipeline/allocator.py)
         self.model_spec = model
         self.bb = build_backbone(model)
         self.fp = self.bb.fingerprint()
