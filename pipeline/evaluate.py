@@ -294,7 +294,9 @@ def restore_cells(output: str, todo: list[dict], key: list[str]) -> list[dict]:
     if not set(key) <= set(df.columns):
         return todo
     df = drop_repeated_measurements(df, key)
-    cols = [k for k in key if k != "method"]
+    # the key columns a cell names (a key column it does not name, such as MoNe's rag_k, tells apart
+    # several rows of one cell)
+    cols = [k for k in key if k != "method" and k in todo[0]["key"]]
     groups = dict(iter(df.groupby(cols, sort=False)))
     left = []
     for c in todo:

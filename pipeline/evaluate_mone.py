@@ -33,6 +33,11 @@ __all__ = ["MoneEvalJobConfig", "parse_length"]
 class MoneEvalJobConfig(SweepJobConfig):
     """jobs/evaluate.py (benchmark: mone)"""
 
+    # one measurement = one method on one example (rag: one row per K). A fresh clone restores the cells
+    # of the shipped results.parquet instead of rerunning them (rows carry no seed, split or K set:
+    # change those and use a new output folder)
+    measurement_key: ClassVar[list[str]] = ["method", "task", "length", "index", "rag_k"]
+
     benchmark: str = "mone"
     output: str = "out/eval_mone"
     report_title: str = "MoNe vs ICL vs RAG (RULER)"
@@ -111,7 +116,8 @@ class MoneEvalJobConfig(SweepJobConfig):
                      measure_cost=self.measure_cost, icl_window=self.icl_window)
         cells = [make_cell(bench, item, cell_path(self.output, method, item["task"], item["length"], item["index"]),
                            model={"path": model, "adapters": adapters}, methods=[method],
-                           threads=self.num_cpus_per_task)
+                           threads=self.num_cpus_per_task,
+                           key={"task": item["task"], "length": item["length"], "index": item["index"]})
                  for item in bench.examples() for method in self.methods]
         return sorted(cells, key=self.cell_order), {}
 

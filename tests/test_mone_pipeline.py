@@ -274,18 +274,34 @@ def test_eval_job_end_to_end_and_resume(ray_session, tmp_path, capsys):
     icl = [r for r in rows if r["method"] == "icl"]
     assert {r["length"]: r["icl_dropped_tokens"] > 0 for r in icl} == {256: False, 512: True}
 
-    # resume: nothing to do; one lost cell is redone alone, with the same result
+    # resume: nothing to do; a lost cell comes back from results.parquet; lost from both, it is redone
+    # alone, with the same result
     s = eval_job.main(["-c", cfg])
     assert (s["cells_run"], s["cells_skipped"]) == (0, 16), s
     cell = out / "cells" / "rag-dense" / "fwe" / "256" / "0000.parquet"
     before = pq.read_table(cell).to_pylist()
     cell.unlink()
     s = eval_job.main(["-c", cfg])
+    assert (s["cells_run"], s["cells_skipped"]) == (0, 16), s
+    assert pq.read_table(cell).to_pylist() == before
+    cell.unlink()
+    (out / "results.parquet").unlink()
+    s = eval_job.main(["-c", cfg])
     assert (s["cells_run"], s["cells_skipped"]) == (1, 15), s
     after = pq.read_table(cell).to_pylist()
     assert [(r["method"], r["rag_k"], r["pred"], r["write_flops"], r["query_flops"]) for r in after] == \
            [(r["method"], r["rag_k"], r["pred"], r["write_flops"], r["query_flops"]) for r in before]
     assert json.loads((out / "summary.json").read_text()) == summary
+
+    # a fresh clone (results.parquet, no cells/) restores every cell from the shipped rows: nothing reruns
+    import shutil
+    shipped = pq.read_table(out / "results.parquet").to_pylist()
+    shutil.rmtree(out / "cells")
+    s = eval_job.main(["-c", cfg])
+    assert (s["cells_run"], s["cells_skipped"], s["cells_failed"]) == (0, 16, 0), s
+    assert json.loads((out / "summary.json").read_text()) == summary
+    key = lambda r: (r["method"], r["task"], r["length"], r["index"], r["rag_k"])  # noqa: E731
+    assert sorted(pq.read_table(out / "results.parquet").to_pylist(), key=key) == sorted(shipped, key=key)
     capsys.readouterr()
 
 
