@@ -75,7 +75,7 @@ def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
     for p in sorted(files):
         with fs.open(p, "rb") as f:
             tables.append(pq.read_table(f))
-    return pa.concat_tables(tables, promote_options="default")
+    return pa.concat_tables(tables, promote_options="permissive")   # string vs large_string: restored cells keep a shipped file's types
 
 
 def finish_sweep(output: str, report: Callable[[pd.DataFrame], dict], cells: list[dict] | None = None,

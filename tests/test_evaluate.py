@@ -459,3 +459,15 @@ def test_cost_section_puts_the_analytical_cost_beside_the_measured(tmp_path):
     assert "|Y| = the generation budget" in "\n".join(cost_section(no_y, costs, answer_budget=128))
     write_report(df, str(tmp_path), costs=costs)
     assert "## Cost: measured and analytical" in (tmp_path / "report.md").read_text()
+
+
+def test_collect_merges_string_and_large_string_cells(tmp_path):
+    """A cell restored from a shipped results.parquet (large_string columns) and a fresh one (string)
+    are gathered together."""
+    import pyarrow as pa
+    from notebank.pipeline.fanout import collect, commit_parquet
+    out = str(tmp_path)
+    commit_parquet(pa.table({"method": pa.array(["a"], pa.large_string()), "score": [1.0]}), f"{out}/cells/a/0000.parquet")
+    commit_parquet(pa.table({"method": pa.array(["b"], pa.string()), "score": [0.0]}), f"{out}/cells/b/0000.parquet")
+    rows = collect(out, None)
+    assert sorted(rows.column("method").to_pylist()) == ["a", "b"]
