@@ -7,21 +7,9 @@ from __future__ import annotations
 
 import random
 
+from nbcore.notebank.sentences import byte_level_alphabet
+
 SPECIALS = ["<pad>", "<s>", "</s>"]
-
-
-def _bytes_to_unicode() -> list[str]:
-    """The printable stand-in character of each byte 0..255 (GPT-2's byte-level mapping), in
-    byte order. (ByteLevel.alphabet() is a set: its iteration order changes between processes.)"""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return [out[b] for b in range(256)]
 
 
 def byte_tokenizer():
@@ -30,7 +18,7 @@ def byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in _bytes_to_unicode():          # byte order: id = 3 + byte value, same in every process
+    for ch in byte_level_alphabet():          # byte order: id = 3 + byte value, same in every process
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

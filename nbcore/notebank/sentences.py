@@ -91,16 +91,18 @@ class _TokenTable:
 _TABLES: dict = {}
 
 
-def _bytes_to_unicode_inverse() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
+def byte_level_alphabet() -> list[str]:
+    """The printable stand-in character of each byte 0..255 (GPT-2's byte-level mapping), in
+    byte order. (ByteLevel.alphabet() is a set: its iteration order changes between processes.)"""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
     for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return [out[b] for b in range(256)]
 
 
 def _walk(node):
@@ -127,7 +129,7 @@ def _build_table(tokenizer) -> _TokenTable | None:
     byte_level = any(n.get("type") == "ByteLevel" for n in _walk([spec.get("pre_tokenizer"), spec.get("decoder")]))
     vocab = backend.get_vocab(with_added_tokens=True)                   # str -> id
     V = max(vocab.values()) + 1
-    inv = _bytes_to_unicode_inverse() if byte_level else None
+    inv = {ch: b for b, ch in enumerate(byte_level_alphabet())} if byte_level else None   # char -> byte
     added = {t.content for t in backend.get_added_tokens_decoder().values()}   # matched in the raw text
     pieces: list = [b"" if byte_level else ""] * V
     for s, i in vocab.items():
@@ -139,10 +141,9 @@ def _build_table(tokenizer) -> _TokenTable | None:
             pieces[i] = s.encode() if byte_level else s
     if byte_level:
         codes = np.frombuffer(b"".join(pieces), dtype=np.uint8).astype(np.uint32)
-        lens = [len(p) for p in pieces]
     else:
         codes = np.frombuffer("".join(pieces).encode("utf-32-le"), dtype=np.uint32)
-        lens = [len(p) for p in pieces]
+    lens = [len(p) for p in pieces]
     start = np.zeros(V + 1, np.int64)
     np.cumsum(lens, out=start[1:])
     # what the post-processor adds around a text: compare a probe with and without special tokens
