@@ -187,7 +187,13 @@ PHASES["uuid-collide"] = [
 # training prose (nbcore/tasks/phrased.py TRAIN_TASKS: one needle, and four keys with one asked),
 # train.phrasings_frac (default 0.5) of the needle sequences; the rest is exactly the uuid mix, so
 # RULER reading is kept while the phrasings are learned
-PHASES["phrasings"] = [(256, 2048, PHASES["uuid"][0][2] + phrased.TRAIN_TASKS, 2.0, 1.0)]
+PHASES["phrasings"] = [(256, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS, 2.0, 1.0)]
+# the same with the grammar-built VARIED phrasings (600 families, nbcore/tasks/phrased.py) drawn
+# three times as often as the 8 fixed ones, from 96 tokens up: a template per family cannot be
+# learned, "the value stated with the key" can, and the short sequences look like a replayed note
+# followed by its question (what NoteBank's oracle / lambda = 0 read sees)
+PHASES["phrasings-varied"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS
+                               + ("phrased_niah_varied", "phrased_multikey_varied") * 3, 2.0, 1.0)]
 
 
 def phases_json(phases) -> list:

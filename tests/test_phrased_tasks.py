@@ -45,7 +45,9 @@ def test_registry_and_lookup(tok):
     assert set(ruler.PAPER_SIX) | {"cwe", "fwe"} == set(ruler.TASKS)          # RULER's own list as it was
     assert set(phrased.TASKS) == set(ruler.other_tasks()) and not set(phrased.TASKS) & set(ruler.TASKS)
     assert all(ruler.is_task(t) for t in [*ruler.TASKS, *phrased.TASKS]) and not ruler.is_task("nope")
-    assert phrased.TRAIN_TASKS == ("phrased_niah_train", "phrased_multikey_train")
+    assert phrased.TRAIN_TASKS == ("phrased_niah_train", "phrased_multikey_train", "phrased_niah_varied",
+                                   "phrased_multikey_varied")
+    assert phrased.FIXED_TRAIN_TASKS == phrased.TRAIN_TASKS[:2]
     ex = ruler.generate("phrased_niah_heldout", 1024, 0, tok)
     assert ex == phrased.generate("phrased_niah_heldout", 1024, 0, tok)
     with pytest.raises(KeyError, match="unknown task 'nope'"):
@@ -142,6 +144,33 @@ def test_phrasing_families_train_and_heldout_differ():
     assert all(phrased.needle_regex(f).fullmatch(f.needle.format(key="a-b", value="1234567")) for f in train + held)
     tr = [phrased.needle_regex(f) for f in train]
     assert not any(r.search(f.needle.format(key="odd-cat", value="1234567")) for r in tr for f in held)
+
+
+
+def test_varied_phrasings_are_many_wellformed_and_share_no_heldout_trigram():
+    varied, held = phrased.VARIED_PHRASINGS, phrased.HELDOUT_PHRASINGS
+    assert len(varied) == 600 and len({f.name for f in varied}) == 600
+    assert len({(f.needle, f.question, f.prefix) for f in varied}) == 600
+    assert len({f.needle for f in varied}) >= 300                       # wording varies, not only the pairing
+    assert not {f.name for f in varied} & {f.name for f in held + phrased.TRAIN_PHRASINGS}
+    held3 = set().union(*(_trigrams(f) for f in held))
+    for f in varied:
+        assert f.needle.count("{key}") == 1 and f.needle.count("{value}") == 1
+        assert "{key}" in f.question and f.prefix.startswith(" ") and "{value}" not in f.question + f.prefix
+        assert not _trigrams(f) & held3, (f.name, _trigrams(f) & held3)
+        assert phrased.needle_regex(f).fullmatch(f.needle.format(key="a-b", value="1234567"))
+    # the same families on every import (a training run and its evaluation agree)
+    assert phrased._varied_phrasings() == varied
+    vr = [phrased.needle_regex(f) for f in varied]
+    assert not any(r.search(f.needle.format(key="odd-cat", value="1234567")) for r in vr for f in held)
+    # the filter is live: without it, the grammar would make families that share held-out trigrams
+    keep = phrased.HELDOUT_PHRASINGS
+    try:
+        phrased.HELDOUT_PHRASINGS = (phrased.Phrasing("probe", "The pin of {key} is {value}.", "q {key}?", " {key}"),)
+        probe = phrased._varied_phrasings(200, seed=1)
+    finally:
+        phrased.HELDOUT_PHRASINGS = keep
+    assert not any("The pin of {key} is {value}." == f.needle for f in probe)
 
 
 def _prose_sentences(ex) -> list[str]:

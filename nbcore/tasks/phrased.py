@@ -94,6 +94,57 @@ HELDOUT_PHRASINGS: tuple[Phrasing, ...] = (
 
 
 
+# VARIED phrasings: many TRAIN-side families composed from a small grammar (a thing named by a
+# noun phrase, a needle pattern, a question pattern and an answer prefix), so that a curriculum
+# cannot learn one template per family and has to learn "the value stated with the key". Built
+# once, deterministically (fixed seed); any family sharing a word trigram with a HELD-OUT
+# template is dropped, so the held-out wording stays unseen (tests/test_phrased_tasks.py).
+_THINGS = ("access code", "locker combination", "ticket number", "catalogue number", "phone extension",
+           "secret password", "account number", "tracking number", "pin", "room number", "membership number",
+           "order number", "licence number", "reference code", "postal code", "flight number", "seat number",
+           "invoice number", "case number", "batch number", "record number", "file number", "entry code",
+           "gate code", "locker number", "voucher code", "permit number", "registration number", "docket number",
+           "shelf number", "table number", "desk number", "plot number", "unit number", "claim number",
+           "lucky number", "door code", "safe combination", "customer number", "station number")
+_INTROS = ("Please note", "For reference", "As agreed", "Officially", "By the way", "Importantly",
+           "To be clear", "For the file", "As you may know", "Keep in mind")
+_NEEDLES = ("The {th} of {key} is {value}.", "{key}'s {th} is {value}.", "{intro}, the {th} for {key} is {value}.",
+            "{value} is the {th} of {key}.", "The {th} assigned to {key} is {value}.", "{key} has {th} {value}.",
+            "We gave {key} the {th} {value}.", "Write down {value} as the {th} of {key}.",
+            "The records show that the {th} of {key} is {value}.", "{intro}: {key} uses {th} {value}.",
+            "{value}, that is the {th} we chose for {key}.", "The {th} {value} goes with {key}.")
+_QUESTIONS = ("What is the {th} of {key}?", "Which {th} does {key} have?", "Tell me the {th} of {key}.",
+              "What {th} was given to {key}?", "Do you know the {th} for {key}?", "{key}: what is its {th}?")
+_PREFIXES = (" The {th} of {key} is", " {key}'s {th} is", " It is", " The answer is", " The {th} is",
+             " The {th} for {key} is")
+
+
+def _words3(text: str) -> set:
+    w = re.findall(r"\{\w+\}|[A-Za-z']+", text.lower())
+    return {tuple(w[i:i + 3]) for i in range(len(w) - 2)}
+
+
+def _varied_phrasings(n: int = 600, seed: int = 0) -> tuple[Phrasing, ...]:
+    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
+    rng = random.Random(f"varied-phrasings|{seed}")
+    out, seen = [], set()
+    while len(out) < n:
+        th, intro = rng.choice(_THINGS), rng.choice(_INTROS)
+        needle = rng.choice(_NEEDLES).format(th=th, intro=intro, key="{key}", value="{value}")
+        needle = needle[0].upper() + needle[1:] if needle[0] != "{" else needle
+        question = rng.choice(_QUESTIONS).format(th=th, key="{key}")
+        prefix = rng.choice(_PREFIXES).format(th=th, key="{key}")
+        if (needle, question, prefix) in seen or any(_words3(t) & held for t in (needle, question, prefix)):
+            continue
+        seen.add((needle, question, prefix))
+        out.append(Phrasing(f"varied-{len(out)}", needle, question, prefix))
+    return tuple(out)
+
+
+#: 600 grammar-built TRAIN-side families (``_varied_phrasings``)
+VARIED_PHRASINGS: tuple[Phrasing, ...] = _varied_phrasings()
+
+
 def _ruler_phrasing() -> Phrasing:
     _, q = ruler._niah_texts(ruler.TASKS["niah_single_2"], "{key}")   # "\nWhat is ...? The ... is"
     question, prefix = q[1:].split("?", 1)
@@ -103,13 +154,14 @@ def _ruler_phrasing() -> Phrasing:
 #: RULER's niah_single_2 format (its header, needle and question), for the prose-only control.
 RULER_PHRASING = _ruler_phrasing()
 
-PHRASINGS = {"train": TRAIN_PHRASINGS, "heldout": HELDOUT_PHRASINGS, "ruler": (RULER_PHRASING,)}
+PHRASINGS = {"train": TRAIN_PHRASINGS, "heldout": HELDOUT_PHRASINGS, "ruler": (RULER_PHRASING,),
+             "varied": VARIED_PHRASINGS}
 PROSE_NAMES = {"train": "fortunes", "heldout": "python-docs"}
 
 
 @dataclass(frozen=True)
 class PhrasedSpec:
-    phrasings: str   # "train" | "heldout" | "ruler"
+    phrasings: str   # "train" | "heldout" | "ruler" | "varied" (TRAIN-side, grammar-built)
     prose: str       # "train" | "heldout"
     num_k: int = 1   # needles (distinct keys, one family); one of them is asked
 
@@ -121,9 +173,13 @@ TASKS: dict[str, PhrasedSpec] = {
     "phrased_niah_heldout_prose": PhrasedSpec("ruler", "heldout"),
     "phrased_multikey_train": PhrasedSpec("train", "train", num_k=4),
     "phrased_multikey_heldout": PhrasedSpec("heldout", "heldout", num_k=4),
+    "phrased_niah_varied": PhrasedSpec("varied", "train"),
+    "phrased_multikey_varied": PhrasedSpec("varied", "train", num_k=4),
 }
 #: the tasks a training curriculum may use (TRAIN phrasings in TRAIN prose only)
-TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings == "train" and s.prose == "train")
+TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings in ("train", "varied") and s.prose == "train")
+#: the trainable tasks with the 8 fixed TRAIN phrasings (the ``phrasings`` curriculum's)
+FIXED_TRAIN_TASKS = ("phrased_niah_train", "phrased_multikey_train")
 
 
 # ----------------------------------------------------------------------------------------------
