@@ -112,11 +112,21 @@ _NEEDLES = ("The {th} of {key} is {value}.", "{key}'s {th} is {value}.", "{intro
             "{value} is the {th} of {key}.", "The {th} assigned to {key} is {value}.", "{key} has {th} {value}.",
             "We gave {key} the {th} {value}.", "Write down {value} as the {th} of {key}.",
             "The records show that the {th} of {key} is {value}.", "{intro}: {key} uses {th} {value}.",
-            "{value}, that is the {th} we chose for {key}.", "The {th} {value} goes with {key}.")
+            "{value}, that is the {th} we chose for {key}.", "The {th} {value} goes with {key}.",
+            "The label on {key} reads {value}.", "{key} keeps {value} as its {th}.",
+            "Our list shows {key} next to {value}.", "{intro}, {key} is marked {value}.",
+            "Anyone looking for {key} needs {value}.", "{value} was written on the card of {key}.",
+            "{key} carries the {th} {value}, {intro}.", "To reach {key}, use {value}.")
 _QUESTIONS = ("What is the {th} of {key}?", "Which {th} does {key} have?", "Tell me the {th} of {key}.",
-              "What {th} was given to {key}?", "Do you know the {th} for {key}?", "{key}: what is its {th}?")
+              "What {th} was given to {key}?", "Do you know the {th} for {key}?", "{key}: what is its {th}?",
+              "Which number goes with {key}?", "What is written for {key}?", "How do we reach {key}?",
+              "What does the list show for {key}?", "Which value is {key} marked with?")
 _PREFIXES = (" The {th} of {key} is", " {key}'s {th} is", " It is", " The answer is", " The {th} is",
-             " The {th} for {key} is")
+             " The {th} for {key} is",
+             # endings other than "is": a reader has to answer after any lead-in, not after "is"
+             " {key} uses", " Use", " For {key}, enter", " {key} was given", " The label reads", " Answer:",
+             " {key} got", " It says", " Try", " {key} goes with", " The list shows", " {key} is marked",
+             " To reach {key}, use", " Write down", " {key} needs", " The card of {key} shows")
 
 
 def _words3(text: str) -> set:
