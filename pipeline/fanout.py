@@ -121,7 +121,7 @@ def _with_previous_rows(rows: pa.Table | None, results_url: str, key: list[str])
     if not kept.num_rows:
         return rows
     try:
-        return pa.concat_tables([rows, kept], promote_options="default")
+        return pa.concat_tables([rows, kept], promote_options="permissive")   # string vs large_string, as collect
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise ValueError(f"{results_url} has rows whose columns do not match the new cells' ({e}); "
                          f"not overwriting it") from e

@@ -471,3 +471,20 @@ def test_collect_merges_string_and_large_string_cells(tmp_path):
     commit_parquet(pa.table({"method": pa.array(["b"], pa.string()), "score": [0.0]}), f"{out}/cells/b/0000.parquet")
     rows = collect(out, None)
     assert sorted(rows.column("method").to_pylist()) == ["a", "b"]
+
+
+def test_previous_rows_merge_across_string_types_and_refuse_other_mismatches(tmp_path):
+    """Rows kept from a shipped results.parquet (large_string) join fresh cells (string); a column
+    whose type cannot be promoted (int vs string) still stops the write."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+    from notebank.pipeline.fanout import _with_previous_rows
+    url = str(tmp_path / "results.parquet")
+    pq.write_table(pa.table({"method": pa.array(["old", "new"], pa.large_string()), "score": [1.0, 5.0]}), url)
+    rows = pa.table({"method": pa.array(["new"], pa.string()), "score": [2.0]})
+    got = _with_previous_rows(rows, url, ["method"])
+    assert sorted(zip(got.column("method").to_pylist(), got.column("score").to_pylist())) == [("new", 2.0), ("old", 1.0)]
+    bad = pa.table({"method": pa.array(["x"], pa.string()), "score": pa.array(["2"], pa.string())})
+    with pytest.raises(ValueError, match="do not match"):
+        _with_previous_rows(bad, url, ["method"])
