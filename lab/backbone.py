@@ -195,6 +195,12 @@ PHASES["phrasings"] = [(256, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TA
 PHASES["phrasings-varied"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS
                                + ("phrased_niah_varied", "phrased_multikey_varied") * 3, 2.0, 1.0)]
 
+# random-word wording (1,000 families of random training-prose words around key and value,
+# nbcore/tasks/phrased.py RANDOM_PHRASINGS) drawn three times as often as the rest of the phrased
+# mix: no template and no grammar is shared, only "the value stated near the key"
+PHASES["phrasings-random"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS
+                               + ("phrased_niah_varied", "phrased_multikey_varied")
+                               + ("phrased_niah_random", "phrased_multikey_random") * 3, 2.0, 1.0)]
 
 def phases_json(phases) -> list:
     """Phases as stored in train_meta.json (tuples -> lists)."""

@@ -46,7 +46,7 @@ def test_registry_and_lookup(tok):
     assert set(phrased.TASKS) == set(ruler.other_tasks()) and not set(phrased.TASKS) & set(ruler.TASKS)
     assert all(ruler.is_task(t) for t in [*ruler.TASKS, *phrased.TASKS]) and not ruler.is_task("nope")
     assert phrased.TRAIN_TASKS == ("phrased_niah_train", "phrased_multikey_train", "phrased_niah_varied",
-                                   "phrased_multikey_varied")
+                                   "phrased_multikey_varied", "phrased_niah_random", "phrased_multikey_random")
     assert phrased.FIXED_TRAIN_TASKS == phrased.TRAIN_TASKS[:2]
     ex = ruler.generate("phrased_niah_heldout", 1024, 0, tok)
     assert ex == phrased.generate("phrased_niah_heldout", 1024, 0, tok)
@@ -94,7 +94,8 @@ def test_length_within_one_percent(tok, task, length):
 def test_needle_spans_keys_values_and_question(tok, task):
     spec = phrased.TASKS[task]
     fams = phrased.PHRASINGS[spec.phrasings]
-    for i in range(len(fams) + 1):
+    # every family of a small set; of a large (generated) set, a few and the wrap-around
+    for i in (range(len(fams) + 1) if len(fams) <= 12 else (*range(6), len(fams) - 1, len(fams))):
         for split in ("test", "train"):
             ex = ruler.generate(task, 2048, i, tok, split=split)
             fam = fams[i % len(fams)]
@@ -172,6 +173,27 @@ def test_varied_phrasings_are_many_wellformed_and_share_no_heldout_trigram():
         phrased.HELDOUT_PHRASINGS = keep
     assert not any("The pin of {key} is {value}." == f.needle for f in probe)
 
+
+def test_random_phrasings_are_random_words_wellformed_and_share_no_heldout_trigram():
+    rand, held = phrased.RANDOM_PHRASINGS, phrased.HELDOUT_PHRASINGS
+    assert len(rand) == 1000 and len({f.name for f in rand}) == 1000
+    assert len({f.needle for f in rand}) == 1000 and len({f.question for f in rand}) >= 900
+    assert not {f.name for f in rand} & {f.name for f in held + phrased.TRAIN_PHRASINGS + phrased.VARIED_PHRASINGS}
+    vocab = set(phrased._prose_vocabulary())
+    essay = {w.lower() for w in hs.essay_words() if w.isalpha()}
+    assert len(vocab) == 2000 and vocab <= essay          # words of the TRAINING prose only
+    held3 = set().union(*(_trigrams(f) for f in held))
+    value_first = 0
+    for f in rand:
+        assert f.needle.count("{key}") == 1 and f.needle.count("{value}") == 1
+        assert "{key}" in f.question and f.prefix.startswith(" ") and "{value}" not in f.question + f.prefix
+        assert not _trigrams(f) & held3, (f.name, _trigrams(f) & held3)
+        assert phrased.needle_regex(f).fullmatch(f.needle.format(key="a-b", value="1234567"))
+        words = re.findall(r"[A-Za-z']+", re.sub(r"\{\w+\}", " ", f.needle + f.question + f.prefix))
+        assert {w.lower() for w in words} <= vocab
+        value_first += f.needle.index("{value}") < f.needle.index("{key}")
+    assert 250 <= value_first <= 450
+    assert phrased._random_phrasings() == rand          # the same families on every import
 
 def _prose_sentences(ex) -> list[str]:
     ctx = ex["context"]

@@ -33,10 +33,35 @@ def test_varied_curriculum_adds_grammar_phrasings_to_the_phrasings_mix():
     assert (lo, hi) == (96, 2048) and (em, frac) == (2.0, 1.0)
     assert tuple(t for t in tasks if t not in phrased.TASKS) == bb.PHASES["uuid"][0][2]
     phr = [t for t in tasks if t in phrased.TASKS]
-    assert set(phr) == set(phrased.TRAIN_TASKS) and phr.count("phrased_niah_varied") == 3
+    assert set(phr) == set(phrased.FIXED_TRAIN_TASKS) | {"phrased_niah_varied", "phrased_multikey_varied"}
+    assert phr.count("phrased_niah_varied") == 3
     # the fixed curriculum stays what v6 / p6 were trained on
     assert [t for t in bb.PHASES["phrasings"][0][2] if t in phrased.TASKS] == list(phrased.FIXED_TRAIN_TASKS)
 
+
+def test_random_curriculum_adds_random_word_phrasings_to_the_varied_mix():
+    (lo, hi, tasks, em, frac), = bb.PHASES["phrasings-random"]
+    assert (lo, hi) == (96, 2048) and (em, frac) == (2.0, 1.0)
+    assert tuple(t for t in tasks if t not in phrased.TASKS) == bb.PHASES["uuid"][0][2]
+    phr = [t for t in tasks if t in phrased.TASKS]
+    assert set(phr) == set(phrased.TRAIN_TASKS)
+    assert phr.count("phrased_niah_random") == 3 and phr.count("phrased_niah_varied") == 1
+
+
+def test_random_batches_hold_no_heldout_wording(tok):
+    tc = bb.TrainConfig(seed=0, tokens_per_step=1024, prose_frac=0.0, phrasings_frac=1.0,
+                        phases=[(96, 256) + bb.PHASES["phrasings-random"][0][2:]])
+    held_re = [phrased.needle_regex(f) for f in phrased.HELDOUT_PHRASINGS]
+    random_re = [phrased.needle_regex(f) for f in phrased.RANDOM_PHRASINGS]
+    n_random = 0
+    for step in range(6):
+        ids, ans, lm = bb.make_batch(step, 0, tc, tok)
+        for row, a in zip(ids.tolist(), ans.tolist()):
+            text = tok.decode([t for t in row if t != tok.pad_token_id])
+            assert not any(r.search(text) for r in held_re), text[:200]
+            n_random += any(r.search(text) for r in random_re)
+            assert any(a)
+    assert n_random >= 3
 
 def test_varied_batches_hold_no_heldout_wording(tok):
     tc = bb.TrainConfig(seed=0, tokens_per_step=1024, prose_frac=0.0, phrasings_frac=1.0,

@@ -155,6 +155,50 @@ def _varied_phrasings(n: int = 600, seed: int = 0) -> tuple[Phrasing, ...]:
 VARIED_PHRASINGS: tuple[Phrasing, ...] = _varied_phrasings()
 
 
+# RANDOM phrasings: TRAIN-side families whose wording is random words of the TRAINING prose (its
+# 2,000 most frequent words) around the key and the value, value first in about a third of them.
+# The only thing such a family shares with any other is "a key, then (near it) a value": a reader
+# trained on them cannot lean on a template or a grammar, only on that association. Same trigram
+# filter against the HELD-OUT templates as the varied families.
+def _prose_vocabulary(n: int = 2000) -> tuple[str, ...]:
+    counts: dict[str, int] = {}
+    for w in hs.essay_words():
+        if w.isalpha() and w.isascii():
+            counts[w.lower()] = counts.get(w.lower(), 0) + 1
+    return tuple(sorted(counts, key=lambda w: (-counts[w], w))[:n])
+
+
+def _random_phrasings(n: int = 1000, seed: int = 0) -> tuple[Phrasing, ...]:
+    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
+    vocab = _prose_vocabulary()
+    rng = random.Random(f"random-phrasings|{seed}")
+
+    def words(lo: int, hi: int) -> list[str]:
+        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+
+    def sentence(parts: list[str], end: str) -> str:
+        text = " ".join(p for p in parts if p)
+        return text[0].upper() + text[1:] + end if text[0] != "{" else text + end
+
+    out: list[Phrasing] = []
+    while len(out) < n:
+        first, second = ("{value}", "{key}") if rng.random() < 0.35 else ("{key}", "{value}")
+        needle = sentence([*words(1, 4), first, *words(1, 3), second, *words(0, 3)], ".")
+        question = sentence([*words(1, 4), "{key}", *words(0, 3)], "?")
+        lead = words(1, 3)
+        if rng.random() < 0.5:
+            lead.insert(rng.randint(0, len(lead)), "{key}")
+        prefix = " " + " ".join(lead)
+        if any(_words3(t) & held for t in (needle, question, prefix)):
+            continue
+        out.append(Phrasing(f"random-{len(out)}", needle, question, prefix))
+    return tuple(out)
+
+
+#: 1,000 random-word TRAIN-side families (``_random_phrasings``)
+RANDOM_PHRASINGS: tuple[Phrasing, ...] = _random_phrasings()
+
+
 def _ruler_phrasing() -> Phrasing:
     _, q = ruler._niah_texts(ruler.TASKS["niah_single_2"], "{key}")   # "\nWhat is ...? The ... is"
     question, prefix = q[1:].split("?", 1)
@@ -165,13 +209,13 @@ def _ruler_phrasing() -> Phrasing:
 RULER_PHRASING = _ruler_phrasing()
 
 PHRASINGS = {"train": TRAIN_PHRASINGS, "heldout": HELDOUT_PHRASINGS, "ruler": (RULER_PHRASING,),
-             "varied": VARIED_PHRASINGS}
+             "varied": VARIED_PHRASINGS, "random": RANDOM_PHRASINGS}
 PROSE_NAMES = {"train": "fortunes", "heldout": "python-docs"}
 
 
 @dataclass(frozen=True)
 class PhrasedSpec:
-    phrasings: str   # "train" | "heldout" | "ruler" | "varied" (TRAIN-side, grammar-built)
+    phrasings: str   # "train" | "heldout" | "ruler" | "varied" (TRAIN-side, grammar-built) | "random"
     prose: str       # "train" | "heldout"
     num_k: int = 1   # needles (distinct keys, one family); one of them is asked
 
@@ -185,9 +229,11 @@ TASKS: dict[str, PhrasedSpec] = {
     "phrased_multikey_heldout": PhrasedSpec("heldout", "heldout", num_k=4),
     "phrased_niah_varied": PhrasedSpec("varied", "train"),
     "phrased_multikey_varied": PhrasedSpec("varied", "train", num_k=4),
+    "phrased_niah_random": PhrasedSpec("random", "train"),
+    "phrased_multikey_random": PhrasedSpec("random", "train", num_k=4),
 }
 #: the tasks a training curriculum may use (TRAIN phrasings in TRAIN prose only)
-TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings in ("train", "varied") and s.prose == "train")
+TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings in ("train", "varied", "random") and s.prose == "train")
 #: the trainable tasks with the 8 fixed TRAIN phrasings (the ``phrasings`` curriculum's)
 FIXED_TRAIN_TASKS = ("phrased_niah_train", "phrased_multikey_train")
 
