@@ -154,12 +154,13 @@ def test_archives_equal_with_native_and_torch_capture(monkeypatch):
 
 
 @needs_native
-def test_avx2_clone_and_baseline_builds_agree_bitwise(tmp_path):
-    """capture.c's AVX2 clone (x86-64 Linux GCC) and its baseline build give the same bits."""
+def test_avx2_clone_avx512_and_baseline_builds_agree_bitwise(tmp_path):
+    """capture.c's AVX2 clone (x86-64 Linux GCC), its AVX-512 compaction (x86-64, picked at run time)
+    and its plain C build give the same bits."""
     import ctypes
     import subprocess
     libs = []
-    for i, extra in enumerate(((), ("-DNB_NO_CLONES",))):
+    for i, extra in enumerate(((), ("-DNB_NO_CLONES",), ("-DNB_NO_CLONES", "-DNB_NO_AVX512"))):
         out = tmp_path / f"k{i}.so"
         subprocess.run([native._compiler(), *native.FLAGS, *extra, "-o", str(out), str(native.SOURCE), "-lm"],
                        check=True, capture_output=True)
@@ -168,7 +169,8 @@ def test_avx2_clone_and_baseline_builds_agree_bitwise(tmp_path):
         fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
         libs.append(fn)
     g = torch.Generator().manual_seed(0)
-    for H, D, dr, C, r in [(4, 32, 16, 512, 1), (3, 20, 7, 128, 2), (1, 36, 36, 2048, 1)]:
+    for H, D, dr, C, r in [(4, 32, 16, 512, 1), (3, 20, 7, 128, 2), (1, 36, 36, 2048, 1), (2, 64, 32, 512, 1),
+                           (2, 24, 16, 256, 2)]:
         T, c = 4096, 32
         n = T // c
         q = torch.randn(n, H * r, c, D, generator=g)
@@ -180,4 +182,5 @@ def test_avx2_clone_and_baseline_builds_agree_bitwise(tmp_path):
             assert fn(q.data_ptr(), k.data_ptr(), n, H * r, c, D, r, H, T, coords.data_ptr(), dr, qc.data_ptr(),
                       H * dr, dr, d.data_ptr(), H, 1, C, sc.data_ptr()) == 0
             outs.append((qc, d))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        for qc, d in outs[1:]:
+            assert torch.equal(outs[0][0], qc) and torch.equal(outs[0][1], d)

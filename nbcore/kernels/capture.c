@@ -13,10 +13,10 @@
  * is kernel head h * r (batch 0). Outputs are strided views: qc element (t, h, e) at
  * qc[t * qc_tok + h * qc_head + e]; d element (t, h) at d[t * d_tok + h * d_head].
  *
- * Numerics: sums over D run in 2 x 4 float lanes combined in a fixed order (GCC / Clang vector
- * extensions; built with -ffp-contract=off), each kernel chunk's c rows are summed in float and
- * the chunk sum s in double. Results are
- * deterministic for a given build and agree with the torch path to ~1e-6.
+ * Numerics: sums over D run in 8 float lanes (two 4-lane halves) combined in a fixed order (GCC /
+ * Clang vector extensions; built with -ffp-contract=off), each kernel chunk's c rows are summed in
+ * float and the chunk sum s in double. Results are deterministic, the same bits from the baseline,
+ * AVX2 and AVX-512 code paths, and agree with the torch path to ~1e-6.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,7 +42,11 @@ static inline v4f load4(const float *p) {
     return v;
 }
 
-static inline float hsum(v4f v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+typedef float v8f __attribute__((vector_size(32)));
+
+/* 8-lane values stay inside one function (no v8f arguments or returns: the ABI of those differs
+   between the baseline and AVX builds, and GCC warns about it) */
+#define LOAD8(v, p) memcpy(&(v), (p), sizeof(v8f))
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -51,35 +55,97 @@ static inline uint16_t f32_to_bf16(float f) {
     return ((u & 0x7fffffffu) > 0x7f800000u) ? (uint16_t)0x7fc0 : rounded;   /* NaN, as c10::BFloat16 */
 }
 
-/* sum of squares and <x, mu> of one row; D4 = D rounded down to a multiple of 8 */
+/* Eq. 9 with AVX-512 (x86-64 GCC / Clang, picked at run time when the CPU has AVX-512F): 16
+   coordinates per instruction, a two-register permute when D = 32 (the tiny models' head size),
+   else a gather; the rounding is f32_to_bf16's integer recipe on 16 lanes, so the bits are the
+   scalar loop's (tests/test_capture_native.py compares both). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(NB_NO_AVX512)
+#define NB_AVX512 1
+#include <immintrin.h>
+
+__attribute__((target("avx512f")))
+static void qc_rows_avx512(const float *blk, int64_t jn, int64_t D, const int32_t *co, int64_t dr,
+                           uint16_t *dst0, int64_t qc_tok) {
+    const __m512i c7fff = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i qnan = _mm512_set1_epi32(0x7fc0);
+    for (int64_t e0 = 0; e0 < dr; e0 += 16) {
+        __m512i idx = _mm512_loadu_si512((const void *)(co + e0));
+        for (int64_t j = 0; j < jn; j++) {
+            const float *row = blk + j * D;
+            __m512 g = D == 32 ? _mm512_permutex2var_ps(_mm512_loadu_ps(row), idx, _mm512_loadu_ps(row + 16))
+                               : _mm512_i32gather_ps(idx, row, 4);
+            __m512i u = _mm512_castps_si512(g);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+            __m512i rnd = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, c7fff), lsb), 16);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);
+            rnd = _mm512_mask_mov_epi32(rnd, nan, qnan);
+            _mm256_storeu_si256((__m256i *)(dst0 + j * qc_tok + e0), _mm512_cvtepi32_epi16(rnd));
+        }
+    }
+}
+
+static int qc_avx512_ok(int64_t D, int64_t dr) {
+    static int cpu = -1;
+    if (cpu < 0) {
+        __builtin_cpu_init();
+        cpu = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    }
+    (void)D;                                  /* any D: a gather when D != 32 */
+    return cpu && dr % 16 == 0;
+}
+#else
+#define NB_AVX512 0
+static int qc_avx512_ok(int64_t D, int64_t dr) { (void)D; (void)dr; return 0; }
+#endif
+
+/* 1 / max(sqrt(sq), 1e-12) over m values (inv_norm, vectorised: IEEE sqrt and division, same bits) */
+static inline void inv_norms(float *x, int64_t m) {
+    const float floor_ = 1e-12f;
+    uint32_t fb;
+    memcpy(&fb, &floor_, 4);
+    for (int64_t j = 0; j < m; j++) x[j] = sqrtf(x[j]);
+    for (int64_t j = 0; j < m; j++) {
+        /* nrm < 1e-12 ? 1e-12 : nrm as a bit select (a branch would stop the vectoriser; NaN kept) */
+        float nrm = x[j];
+        uint32_t nb, mask = -(uint32_t)(nrm < floor_);
+        memcpy(&nb, &nrm, 4);
+        nb = (nb & ~mask) | (fb & mask);
+        memcpy(&nrm, &nb, 4);
+        x[j] = 1.0f / nrm;
+    }
+}
+
+/* sum of squares and <x, mu> of one row; D8 = D rounded down to a multiple of 8. One 8-lane
+   accumulator: lanes 0-3 and 4-7 are the two 4-lane partial sums this kernel has always kept (per
+   lane the same additions in the same order), so 256-bit and 2 x 128-bit builds give the same bits. */
+#define HSUM8(a) ((((a)[0] + (a)[1]) + ((a)[2] + (a)[3])) + (((a)[4] + (a)[5]) + ((a)[6] + (a)[7])))
+
 static inline float row_sq(const float *x, int64_t D, int64_t D8) {
-    v4f a0 = {0, 0, 0, 0}, a1 = {0, 0, 0, 0};
+    v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t e = 0;
     for (; e < D8; e += 8) {
-        v4f x0 = load4(x + e), x1 = load4(x + e + 4);
-        a0 += x0 * x0;
-        a1 += x1 * x1;
+        v8f x0;
+        LOAD8(x0, x + e);
+        a += x0 * x0;
     }
-    float s = hsum(a0) + hsum(a1);
+    float s = HSUM8(a);
     for (; e < D; e++) s += x[e] * x[e];
     return s;
 }
 
 static inline float row_dot(const float *x, const float *mu, int64_t D, int64_t D8) {
-    v4f a0 = {0, 0, 0, 0}, a1 = {0, 0, 0, 0};
+    v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t e = 0;
     for (; e < D8; e += 8) {
-        a0 += load4(x + e) * load4(mu + e);
-        a1 += load4(x + e + 4) * load4(mu + e + 4);
+        v8f x0, m0;
+        LOAD8(x0, x + e);
+        LOAD8(m0, mu + e);
+        a += x0 * m0;
     }
-    float s = hsum(a0) + hsum(a1);
+    float s = HSUM8(a);
     for (; e < D; e++) s += x[e] * mu[e];
     return s;
-}
-
-static inline float inv_norm(float sq_sum) {
-    float nrm = sqrtf(sq_sum);
-    return 1.0f / (nrm < 1e-12f ? 1e-12f : nrm);
 }
 
 /* Returns 0, or -1 if D or d_rho > MAX_D or C is not a multiple of c (nothing written then).
@@ -92,23 +158,33 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
     if (D > MAX_D || dr > MAX_D || (d && (C <= 0 || C % c || !inv))) return -1;
     /* Eq. 9: token-major compacted queries */
     int32_t co[MAX_D];
+    int wide = qc_avx512_ok(D, dr);
     for (int64_t h = 0; h < H; h++) {
         for (int64_t e = 0; e < dr; e++) co[e] = (int32_t)coords[h * dr + e];
         for (int64_t i = 0; i < n; i++) {
             const float *blk = q + (i * BH + h * r) * c * D;
             int64_t jn = t - i * c < c ? t - i * c : c;
+            uint16_t *dst0 = qc + i * c * qc_tok + h * qc_head;
+#if NB_AVX512
+            if (wide) {
+                qc_rows_avx512(blk, jn, D, co, dr, dst0, qc_tok);
+                continue;
+            }
+#endif
             for (int64_t j = 0; j < jn; j++) {
                 const float *row = blk + j * D;
-                uint16_t *dst = qc + (i * c + j) * qc_tok + h * qc_head;
+                uint16_t *dst = dst0 + j * qc_tok;
                 for (int64_t e = 0; e < dr; e++) dst[e] = f32_to_bf16(row[co[e]]);
             }
         }
     }
+    (void)wide;
     if (!d) return 0;
     /* Eqs. 3, 8 over each whole C-token chunk and head */
     int64_t g = C / c, nb = t / C, D8 = D - D % 8, D4 = D - D % 4;
     double s[MAX_D];
-    v4f part[MAX_D / 4];
+    v8f part8[MAX_D / 8];
+    v4f part[1];
     float mu[MAX_D], part_tail[4];
     for (int64_t jj = 0; jj < nb; jj++) {
         for (int64_t h = 0; h < H; h++) {
@@ -118,16 +194,25 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
                    added to the chunk's sum in double */
                 const float *blk = k + (i * BH + h * r) * c * D;
                 float *inv_i = inv + (i - jj * g) * c;
-                for (int64_t e = 0; e < D4 / 4; e++) part[e] = (v4f){0, 0, 0, 0};
+                for (int64_t e = 0; e < D8 / 8; e++) part8[e] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+                part[0] = (v4f){0, 0, 0, 0};
                 for (int64_t e = 0; e < D - D4; e++) part_tail[e] = 0.0f;
+                for (int64_t j = 0; j < c; j++) inv_i[j] = row_sq(blk + j * D, D, D8);
+                inv_norms(inv_i, c);
                 for (int64_t j = 0; j < c; j++) {
                     const float *x = blk + j * D;
-                    float w = inv_i[j] = inv_norm(row_sq(x, D, D8));
-                    for (int64_t e = 0; e < D4 / 4; e++) part[e] += w * load4(x + 4 * e);
+                    float w = inv_i[j];
+                    for (int64_t e = 0; e < D8 / 8; e++) {
+                        v8f x0;
+                        LOAD8(x0, x + 8 * e);
+                        part8[e] += w * x0;
+                    }
+                    if (D4 > D8) part[0] += w * load4(x + D8);
                     for (int64_t e = D4; e < D; e++) part_tail[e - D4] += w * x[e];
                 }
-                for (int64_t e = 0; e < D4 / 4; e++)
-                    for (int l = 0; l < 4; l++) s[4 * e + l] += (double)part[e][l];
+                for (int64_t e = 0; e < D8 / 8; e++)
+                    for (int l = 0; l < 8; l++) s[8 * e + l] += (double)part8[e][l];
+                for (int64_t e = D8; e < D4; e++) s[e] += (double)part[0][e - D8];
                 for (int64_t e = D4; e < D; e++) s[e] += (double)part_tail[e - D4];
             }
             double ss = 0.0;

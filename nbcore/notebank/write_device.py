@@ -320,9 +320,12 @@ class DeviceArchiveWriter(ArchiveWriter):
                     cand = (lo, hi, float(r2[o:o + hi - lo].sum()), lo, hi)
                     o += hi - lo
                 cands.setdefault(i, []).append(cand)
+            # every candidate's score snapped to the tie grid in one call (`_snap` per element)
+            snapped = iter(_snap(np.array([c[2] for cs in cands.values() for c in cs], dtype=np.float64)).tolist())
+            cands = {i: [(snap, c) for c, snap in zip(cs, snapped)] for i, cs in cands.items()}
             for i, cs in cands.items():
                 # highest score; ties -> earlier window (left sub-region comes first)
-                ws2, we2, _, lo, hi = max(cs, key=lambda c: (float(_snap(c[2])), -c[0]))
+                ws2, we2, _, lo, hi = max(cs, key=lambda sc: (sc[0], -sc[1][0]))[1]
                 rs, re_ = regions[i][1], regions[i][2]
                 s2, e2, _, _ = span_from_window(None, ws2, we2, lo, hi, B, bounds=self._bounds(rs - b))
                 spans[i].append((s2, e2))
