@@ -13,6 +13,7 @@ one warm-up pair runs at the first length. The archive's bytes are reported besi
 
     .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K,256K --reps 3 \\
         --out bench/results/overhead-cpu.json
+    # --allocator default: glibc's malloc thresholds instead of the CPU workers' (pipeline/allocator.py)
     # + a random-init GDN-1.3B-shaped model (qwen3_5 GDN layers, fp32) at a small length:
     .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K --gdn13b-lengths 1K
     # GPU: bench/gpu/lease.py (GDN-1.3B, Mamba-2 and hybrid shapes with their CUDA kernels)
@@ -203,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="tokens per backbone call, both methods "
                     "(default: the ingest default, %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--allocator", choices=("tuned", "default"), default="tuned",
+                    help="glibc malloc thresholds: 'tuned' = what the pipeline's CPU workers set at start "
+                         "(pipeline/allocator.py), 'default' = glibc's own (default: %(default)s)")
     ap.add_argument("--route", action="store_true", help="also run the routing benchmark")
     ap.add_argument("--out", default="", help="JSON result file")
     args = ap.parse_args(argv)
@@ -216,6 +220,14 @@ def main(argv=None):
         ap.error(f"--model {args.model!r} is not a checkpoint directory (no config.json)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    # before any big allocation, as the CPU workers do (a MALLOC_* variable of the user's wins)
+    allocator = "glibc default"
+    if args.allocator == "tuned":
+        from notebank.pipeline.allocator import tune_cpu_malloc
+        if tune_cpu_malloc():
+            allocator = "tuned (pipeline/allocator.py: the CPU workers' mallopt thresholds)"
+    if any(k.startswith("MALLOC_") for k in os.environ):
+        allocator = "MALLOC_* environment (malloc_env)"
     bb = load_backbone(args.model)
     cfg = NoteBankConfig()
     command = "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -227,6 +239,7 @@ def main(argv=None):
            "command": command,
            # glibc's allocator tunables change the noise a lot on a VM (README, "Speed")
            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
+           "allocator": allocator,
            # NoteBank's CPU feature capture: the C kernel (a compiler was found) or its torch reference
            "capture_kernel": "native" if native.available() else "torch",
            "lengths": {}}

@@ -130,8 +130,11 @@ def test_overhead_times_text_with_sentences(tmp_path):
     from pathlib import Path
     out = tmp_path / "ov.json"
     model = str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn")
-    doc = overhead.main(["--model", model, "--lengths", "1K", "--reps", "1", "--gen", "2", "--out", str(out)])
+    # --allocator default: mallopt would change this test process's allocator for the rest of the suite
+    doc = overhead.main(["--model", model, "--lengths", "1K", "--reps", "1", "--gen", "2", "--allocator", "default",
+                         "--out", str(out)])
     assert doc["input"] == "text" and json.loads(out.read_text())["partial"] is False
+    assert doc["allocator"] in ("glibc default", "MALLOC_* environment (malloc_env)")
     row = doc["lengths"]["1K"]
     nb = row["stages_median_s"]["notebank"]
     # the ratio is taken before rounding: compare with the 0.1-ms stage medians, not the ms totals
