@@ -147,3 +147,13 @@ def test_overhead_times_text_with_sentences(tmp_path):
         overhead.main(["--model", str(tmp_path), "--lengths", "1K"])
     with pytest.raises(ValueError):
         overhead.parse_len("12Q")
+
+
+def test_capture_kernel_bench_checks_and_times_both_paths():
+    """bench/capture_kernel.py: outputs checked against the torch reference, then both paths timed."""
+    from bench import capture_kernel
+    from nbcore.kernels import native
+    if not native.available():
+        pytest.skip("no C compiler here")
+    row = capture_kernel.bench_shape(H=3, D=20, dr=7, C=128, segment=256, reps=1, inner=1)
+    assert row["native_us_per_segment"] > 0 and row["torch_us_per_segment"] > 0 and row["speedup"] > 0
