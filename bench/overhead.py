@@ -120,6 +120,22 @@ STAGES = ("total_s", "tokenize_s", "prefill_s", "write_s", "probe_s", "route_s",
           "minor_faults")
 
 
+def ratio_interval(plain: list[float], nb: list[float], n_boot: int = 2000, seed: int = 0) -> list[float]:
+    """Bootstrap 95% interval of median(nb) / median(plain), resampling the rep pairs (fixed seed:
+    the same runs give the same interval). How far the ratio can be trusted on a noisy machine."""
+    import random
+    rng = random.Random(seed)
+    k = len(plain)
+    if k < 2:
+        return [round(median(nb) / median(plain), 4)] * 2
+    bs = []
+    for _ in range(n_boot):
+        idx = [rng.randrange(k) for _ in range(k)]
+        bs.append(median([nb[i] for i in idx]) / median([plain[i] for i in idx]))
+    bs.sort()
+    return [round(bs[int(0.025 * n_boot)], 4), round(bs[int(0.975 * n_boot) - 1], 4)]
+
+
 def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
     med = {m: {s: median([r[s] for r in runs[m]]) for s in STAGES} for m in METHODS}
     p, n = med["plain"]["total_s"], med["notebank"]["total_s"]
@@ -140,6 +156,8 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
         # how noisy the machine was: each rep's pair (run back to back), the spread of Plain's runs,
         # and the same ratio in process CPU time (less sensitive to other tenants' load)
         "pair_ratios": [round(b["total_s"] / a["total_s"], 4) for a, b in zip(runs["plain"], runs["notebank"])],
+        "pair_ratio_median": round(median([b["total_s"] / a["total_s"] for a, b in zip(runs["plain"], runs["notebank"])]), 4),
+        "ratio_ci95": ratio_interval([r["total_s"] for r in runs["plain"]], [r["total_s"] for r in runs["notebank"]]),
         "plain_spread_pct": round(100 * (max(r["total_s"] for r in runs["plain"])
                                          - min(r["total_s"] for r in runs["plain"])) / p, 1),
         "cpu_ratio": round(median([r["cpu_s"] for r in runs["notebank"]])
@@ -177,7 +195,8 @@ def bench(bb, lengths, cfg, gen=32, reps=3, block=DEFAULT_BLOCK, log=print, warm
                 runs[m].append(run_text(bb, text, question, m, cfg, gen, block))
         out[name] = row = summarise(name, runs)
         log(f"{name:>5} ({row['tokens']} tok): plain {row['plain_s']:.2f}s  nb {row['nb_s']:.2f}s  "
-            f"ratio {row['ratio']:.4f} (cpu {row['cpu_ratio']:.4f}, plain spread {row['plain_spread_pct']}%)  writer share {row['writer_share_pct']:.1f}%  "
+            f"ratio {row['ratio']:.4f} (95% {row['ratio_ci95'][0]:.3f}-{row['ratio_ci95'][1]:.3f}, median pair "
+            f"{row['pair_ratio_median']:.4f}, cpu {row['cpu_ratio']:.4f}, plain spread {row['plain_spread_pct']}%)  writer share {row['writer_share_pct']:.1f}%  "
             f"sys {row['stages_median_s']['plain']['sys_s']:.2f}/{row['stages_median_s']['notebank']['sys_s']:.2f}s  "
             f"archive {row['archive']['bytes_measured']} B (Eq. 19: {row['archive']['bytes_eq19']} B)")
     return out

@@ -139,6 +139,7 @@ def test_overhead_times_text_with_sentences(tmp_path):
     nb = row["stages_median_s"]["notebank"]
     # the ratio is taken before rounding: compare with the 0.1-ms stage medians, not the ms totals
     assert row["ratio"] == pytest.approx(nb["total_s"] / row["stages_median_s"]["plain"]["total_s"], rel=5e-3)
+    assert row["ratio_ci95"][0] <= row["ratio"] <= row["ratio_ci95"][1]      # one rep: the interval is the ratio
     assert nb["write_s"] > 0 and row["stages_median_s"]["plain"]["write_s"] == 0
     a = row["archive"]
     # more notes than one per chunk: real sentences, not one document-long sentence (W=2)
