@@ -230,3 +230,49 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
     }
     return 0;
 }
+
+/* One segment of the CPU delta-rule kernel's chunk-major copies made here, fused with the capture:
+ * q_src, k_src are batch 0 of [B, T, H, D] float32 views (unit element stride; token stride s_tok,
+ * head stride s_head, in elements), tokens 0 .. t-1 of the segment. Writes q_dst, k_dst as
+ * gdn_cpu._chunked_f32 lays them out, [n, H * r, c, D] (key head h repeated r times, rows past t
+ * zero) -- the same bytes, it is a copy -- and, one NoteBank chunk of C tokens at a time while the
+ * rows just copied are still in cache, the capture of nb_capture_segment on them (same arguments,
+ * same results). With C = 0 (no distinctiveness), groups of 16 kernel chunks. Returns as
+ * nb_capture_segment. */
+NB_CLONES
+int nb_copy_capture_segment(const float *q_src, const float *k_src, int64_t sq_tok, int64_t sq_head,
+                            int64_t sk_tok, int64_t sk_head, float *q_dst, float *k_dst, int64_t n,
+                            int64_t c, int64_t D, int64_t r, int64_t H, int64_t t,
+                            const int64_t *coords, int64_t dr, uint16_t *qc, int64_t qc_tok, int64_t qc_head,
+                            float *d, int64_t d_tok, int64_t d_head, int64_t C, float *inv) {
+    if (D > MAX_D || dr > MAX_D || c <= 0 || n * c < t || (d && (C <= 0 || C % c || !inv))) return -1;
+    int64_t BH = H * r, g = d ? C / c : 16;
+    size_t row = (size_t)D * sizeof(float);
+    for (int64_t i0 = 0; i0 < n; i0 += g) {
+        int64_t i1 = i0 + g < n ? i0 + g : n;
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t j = 0; j < c; j++) {
+                    int64_t tok = i * c + j;
+                    float *dq = q_dst + ((i * BH + h * r) * c + j) * D, *dk = k_dst + ((i * BH + h * r) * c + j) * D;
+                    if (tok < t) {
+                        memcpy(dq, q_src + tok * sq_tok + h * sq_head, row);
+                        memcpy(dk, k_src + tok * sk_tok + h * sk_head, row);
+                    } else {
+                        memset(dq, 0, row);
+                        memset(dk, 0, row);
+                    }
+                    for (int64_t rr = 1; rr < r; rr++) {
+                        memcpy(dq + rr * c * D, dq, row);
+                        memcpy(dk + rr * c * D, dk, row);
+                    }
+                }
+        int64_t a = i0 * c, tg = (i1 * c < t ? i1 * c : t) - a;
+        if (tg <= 0) continue;
+        int rc = nb_capture_segment(q_dst + i0 * BH * c * D, k_dst + i0 * BH * c * D, i1 - i0, BH, c, D, r, H, tg,
+                                    coords, dr, qc + a * qc_tok, qc_tok, qc_head, d ? d + a * d_tok : NULL,
+                                    d_tok, d_head, C, inv);
+        if (rc) return rc;
+    }
+    return 0;
+}
