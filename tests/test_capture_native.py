@@ -55,51 +55,6 @@ def test_native_equals_torch_path(T, H, D, dr, C, r, c, buffered):
 
 
 @needs_native
-@pytest.mark.parametrize("T", [1, 33, 511, 2048, 2049])
-@pytest.mark.parametrize("H,D,dr,C,r", [(4, 32, 16, 512, 1), (3, 20, 7, 128, 2), (2, 64, 16, None, 1)],
-                         ids=["tiny", "D20-r2", "noC"])
-def test_fused_copy_equals_torch_copy_and_on_segment(T, H, D, dr, C, r):
-    """copy_segment: the C kernel's own chunk-major copies are _chunked_f32's bytes, and the features
-    it reduces while copying equal on_segment's (native) bit for bit, for strided views of a fused
-    projection (as transformers hands them over), odd lengths and repeated key heads."""
-    g = torch.Generator().manual_seed(T + D)
-    layers, c, seg = 2, 32, 1024
-    mixed = torch.randn(1, T, layers, 3 * H * D, generator=g)
-    coords = projection_coords(layers * H, D, dr, seed=5)
-    kw = dict(offset=1024 if C else 0, keep_partial=C is not None, n_tokens=T)
-    ref, fused = ChunkReducer(coords, H, C, **kw), ChunkReducer(coords, H, C, **kw)
-    for layer in range(layers):
-        q = mixed[:, :, layer, :H * D].view(1, T, H, D)            # strided views, unit element stride
-        k = mixed[:, :, layer, H * D:2 * H * D].view(1, T, H, D) * 1.0
-        k = k.as_strided(k.shape, k.stride())
-        for a in range(0, T, seg):
-            b = min(T, a + seg)
-            want_q, want_k = gdn_cpu._chunked_f32(q[:, a:b], H * r, c), gdn_cpu._chunked_f32(k[:, a:b], H * r, c)
-            ref.on_segment(layer, a, b - a, want_q, want_k)
-            got = fused.copy_segment(layer, a, b - a, q[:, a:b], k[:, a:b], H * r, c)
-            assert got is not None
-            assert torch.equal(got[0], want_q) and torch.equal(got[1], want_k)
-    (d_ref, qc_ref), (d, qc) = ref.result(), fused.result()
-    assert torch.equal(qc.view(torch.int16), qc_ref.view(torch.int16))
-    if C is None:
-        assert d is None and d_ref is None
-        return
-    assert torch.equal(d, d_ref) and torch.equal(fused.partial_keys(), ref.partial_keys())
-
-
-@needs_native
-def test_fused_copy_declines_what_it_cannot_take():
-    coords = projection_coords(4, 32, 16, seed=0)
-    red = ChunkReducer(coords, 4, 512, n_tokens=64)
-    q = torch.randn(1, 64, 4, 32)
-    assert red.copy_segment(0, 0, 64, q.double(), q.double(), 4, 32) is None        # not float32
-    assert red.copy_segment(0, 0, 64, q[..., ::2], q[..., ::2], 4, 32) is None      # element stride 2
-    assert red.copy_segment(0, 32, 32, q[:, 32:], q[:, 32:], 4, 32) is None         # not at this layer's position
-    assert ChunkReducer(coords, 4, 512).copy_segment(0, 0, 64, q, q, 4, 32) is None   # no block buffers
-    assert red._pos.get(0, 0) == 0 and red.copy_segment(0, 0, 64, q, q, 4, 32) is not None
-
-
-@needs_native
 def test_bf16_rounding_matches_torch():
     specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3.4e38, -3.4e38,
                              1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -9, 1.00390625, 65504.0])

@@ -128,18 +128,6 @@ class _KernelTap:
         return False
 
 
-class _SegmentSink:
-    """gdn_cpu's `feature_sink` for one layer: the tap's `on_segment`, and its fused copy when it has one."""
-
-    def __init__(self, tap: FeatureTap, layer: int):
-        self.tap, self.layer = tap, layer
-        fused = getattr(tap, "copy_segment", None)
-        self.copy_segment = (lambda a, t, q, k, Hv, c: fused(layer, a, t, q, k, Hv, c)) if fused else None
-
-    def __call__(self, a, t, q, k):
-        self.tap.on_segment(self.layer, a, t, q, k)
-
-
 def _gdn_wrap(orig, tap: _KernelTap):
     # A kernel that takes a `feature_sink` (nbcore.kernels.gdn_cpu) hands the tap its own
     # chunk-major copies of q/k, segment by segment: the capture then reads cache-resident copies
@@ -151,7 +139,7 @@ def _gdn_wrap(orig, tap: _KernelTap):
         layer = tap.current
         if (sinkable and query.shape[0] == 1 and kwargs.get("chunk_size", gdn_cpu.CHUNK) == gdn_cpu.CHUNK
                 and tap.tap.accepts_segments(layer, gdn_cpu.CHUNK, gdn_cpu.SEGMENT)):
-            kwargs["feature_sink"] = _SegmentSink(tap.tap, layer)
+            kwargs["feature_sink"] = lambda a, t, q, k: tap.tap.on_segment(layer, a, t, q, k)
             kwargs["segment"] = gdn_cpu.SEGMENT
         else:
             tap.emit(query, key)                  # [B, T, H_k, d_k]

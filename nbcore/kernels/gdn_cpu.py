@@ -180,10 +180,7 @@ def chunk_gated_delta_rule(
     `feature_sink(a, t, q, k)`: called per segment with the raw query/key of tokens a .. a+t-1 as
     this kernel lays them out, [n, B*Hv, C, K] fp32 chunk-major (zero padding rows, key heads
     repeated), before the L2 norm; it may read but not keep or modify them. NoteBank's feature
-    capture reduces them there (`ChunkReducer.on_segment`) instead of re-reading q/k. A sink with
-    `copy_segment(a, t, query[:, a:a+t], key[:, a:a+t], Hv, C)` may make those two copies itself
-    (returning them, the same bytes as `_chunked_f32`) and reduce them while they are in cache
-    (`ChunkReducer.copy_segment`); it returns None to decline, and the call above follows."""
+    capture reduces them there (`ChunkReducer.on_segment`) instead of re-reading q/k."""
     if kwargs.get("cu_seqlens") is not None:
         raise ValueError("chunk_gated_delta_rule (CPU) does not support packed sequences (cu_seqlens)")
     _no_grad_check("chunk_gated_delta_rule", query, key, value, g, beta, initial_state)
@@ -200,16 +197,10 @@ def chunk_gated_delta_rule(
     # sequence-sized temporaries, whose first touch is costly)
     for a in range(0, T, seg):
         b = min(T, a + seg)
-        qk = None
-        if feature_sink is not None and getattr(feature_sink, "copy_segment", None) is not None:
-            qk = feature_sink.copy_segment(a, b - a, query[:, a:b], key[:, a:b], Hv, C)
-        if qk is not None:
-            q, k = qk                                                  # copied by the sink, same bytes
-        else:
-            q = _chunked_f32(query[:, a:b], Hv, C)
-            k = _chunked_f32(key[:, a:b], Hv, C)
-            if feature_sink is not None:
-                feature_sink(a, b - a, q, k)
+        q = _chunked_f32(query[:, a:b], Hv, C)
+        k = _chunked_f32(key[:, a:b], Hv, C)
+        if feature_sink is not None:
+            feature_sink(a, b - a, q, k)
         if use_qk_l2norm_in_kernel:
             _l2norm_(q)
             _l2norm_(k)

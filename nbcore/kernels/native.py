@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["capture_segment", "capture_into", "copy_capture_into", "available", "library_path", "ENV", "ENV_CACHE"]
+__all__ = ["capture_segment", "capture_into", "available", "library_path", "ENV", "ENV_CACHE"]
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,11 @@ def _build(cc: str) -> Path:
     return out
 
 
-_COPY: list = [None]      # nb_copy_capture_segment, loaded with _LIB
-
-
 def _load():
     global _LIB
     if _LIB is not _UNSET:
         return _LIB
     _LIB = None
-    _COPY[0] = None
     cc = _compiler()
     if cc is None:
         log.info("no C compiler (cc / $CC): NoteBank's CPU feature capture uses its torch path")
@@ -113,11 +109,6 @@ def _load():
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
         fn.restype = ctypes.c_int
-        cp = lib.nb_copy_capture_segment
-        cp.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
-                       ptr, i64, i64, i64, ptr]
-        cp.restype = ctypes.c_int
-        _COPY[0] = cp
         _LIB = fn
     except Exception as e:   # noqa: BLE001 - any build or load failure means: use the torch path
         log.warning("NoteBank's native capture kernel is unavailable (%s); using the torch path", e)
@@ -181,28 +172,3 @@ def capture_into(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, coord
     scratch = _scratch(int(chunk_size)).data_ptr() if d_ptr is not None else None
     return fn(q.data_ptr(), k.data_ptr(), n, BH, c, D, r, H, t, coords_ptr, dr, qc_ptr, qc_tok, qc_head,
               d_ptr, d_tok, d_head, int(chunk_size or 0), scratch) == 0
-
-
-def copy_capture_into(query: torch.Tensor, key: torch.Tensor, r: int, c: int, coords_ptr: int, dr: int,
-                      qc_ptr: int, qc_tok: int, qc_head: int, d_ptr: int | None, d_tok: int, d_head: int,
-                      chunk_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The CPU delta-rule kernel's chunk-major copies of one segment, made by the C kernel together
-    with the capture (`nb_copy_capture_segment` in capture.c): query, key [1, t, H, D] float32 views
-    with unit element stride. -> (q, k) [n, H*r, c, D], the same bytes as `gdn_cpu._chunked_f32`,
-    with the capture of `capture_into` written on the way; None (nothing written) when the kernel
-    cannot take these inputs. Outputs as in `capture_into` (raw addresses, strides in elements)."""
-    if not (query.dtype is torch.float32 and key.dtype is torch.float32 and query.device.type == "cpu"
-            and key.device.type == "cpu" and query.dim() == 4 and query.shape == key.shape and query.shape[0] == 1
-            and query.stride(3) == 1 and key.stride(3) == 1 and _enabled()):
-        return None
-    if _load() is None or _COPY[0] is None:
-        return None
-    _, t, H, D = query.shape
-    n = -(-t // c)
-    q = torch.empty((n, H * r, c, D), dtype=torch.float32)
-    k = torch.empty((n, H * r, c, D), dtype=torch.float32)
-    scratch = _scratch(int(chunk_size)).data_ptr() if d_ptr is not None else None
-    rc = _COPY[0](query.data_ptr(), key.data_ptr(), query.stride(1), query.stride(2), key.stride(1), key.stride(2),
-                  q.data_ptr(), k.data_ptr(), n, c, D, r, H, t, coords_ptr, dr, qc_ptr, qc_tok, qc_head, d_ptr, d_tok,
-                  d_head, int(chunk_size or 0), scratch)
-    return (q, k) if rc == 0 else None

@@ -249,45 +249,6 @@ class ChunkReducer(FeatureTap):
         self.dist.setdefault(rec_idx, []).append(d)
         self._after_chunks(rec_idx, pos, t, k, r, kh)
 
-    def copy_segment(self, rec_idx: int, a: int, t: int, query: torch.Tensor, key: torch.Tensor, Hv: int,
-                     c: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`on_segment` fused with the copies it reads: the C kernel makes the CPU delta-rule kernel's
-        chunk-major fp32 copies of one segment itself (the same bytes as `gdn_cpu._chunked_f32`) and
-        reduces each C-token chunk right after copying it, while it is in cache, instead of
-        re-reading copies that torch made. query, key: [1, t, H, d] float32 views (tokens a ..
-        a+t-1 of this call, H key heads), Hv value heads (key heads repeated Hv / H times), kernel
-        chunk c. -> (q, k) [n, Hv, c, d], or None (nothing done) when the C kernel cannot take them:
-        the caller then copies and calls `on_segment`. Same features as `on_segment` (tested)."""
-        H = self.H
-        if not (self.native and self.n_tokens is not None and query.dim() == 4 and query.shape[2] == H
-                and Hv % H == 0 and native.available()):
-            return None
-        if self.chunk_size and (self.offset + a) % self.chunk_size:
-            return None
-        pos = self._pos.get(rec_idx, 0)
-        if pos != a or pos + t > self.n_tokens:
-            return None
-        J, dr = self.coords.shape
-        if self._buf is None:
-            self._advance(rec_idx, 0, query.device)            # allocates the block's buffers
-        d_buf, q_buf = self._buf
-        if q_buf.device.type != "cpu" or not q_buf.is_contiguous() or (d_buf is not None and not d_buf.is_contiguous()):
-            return None
-        row = pos * J + rec_idx * H                               # element offset of (pos, first head)
-        r = Hv // H
-        out = native.copy_capture_into(
-            query, key, r, c, self._layer_coords(rec_idx, query.device).data_ptr(), dr,
-            q_buf.data_ptr() + 2 * row * dr, J * dr, dr,
-            d_buf.data_ptr() + 4 * row if d_buf is not None else None, J, 1, self.chunk_size or 0)
-        if out is None:
-            return None
-        self._advance(rec_idx, t, query.device)
-        self.qc.setdefault(rec_idx, [])
-        if self.chunk_size:
-            self.dist.setdefault(rec_idx, [])
-            self._after_chunks(rec_idx, pos, t, out[1], r, None)
-        return out
-
     def _after_chunks(self, rec_idx: int, pos: int, t: int, k: torch.Tensor, r: int, kh: torch.Tensor | None):
         """The segment's trailing partial chunk, if any: its distinctiveness (within the partial
         chunk, as `chunk_distinctiveness`) and, with keep_partial, its raw keys."""
