@@ -158,3 +158,5 @@ def test_capture_kernel_bench_checks_and_times_both_paths():
         pytest.skip("no C compiler here")
     row = capture_kernel.bench_shape(H=3, D=20, dr=7, C=128, segment=256, reps=1, inner=1)
     assert row["native_us_per_segment"] > 0 and row["torch_us_per_segment"] > 0 and row["speedup"] > 0
+    situ = capture_kernel.bench_in_situ(H=2, D=16, dr=8, C=128, T=300, pairs=3)
+    assert situ["layer_call_ms"] > 0 and situ["pairs"] == 3 and {"native_extra_ms", "torch_extra_ms"} <= set(situ)
