@@ -85,18 +85,16 @@ static void qc_rows_avx512(const float *blk, int64_t jn, int64_t D, const int32_
     }
 }
 
-static int qc_avx512_ok(int64_t D, int64_t dr) {
+static int qc_avx512_ok(int64_t dr) {
     static int cpu = -1;
     if (cpu < 0) {
         __builtin_cpu_init();
         cpu = __builtin_cpu_supports("avx512f") ? 1 : 0;
     }
-    (void)D;                                  /* any D: a gather when D != 32 */
-    return cpu && dr % 16 == 0;
+    return cpu && dr % 16 == 0;                /* any D: a gather when D != 32 */
 }
 #else
 #define NB_AVX512 0
-static int qc_avx512_ok(int64_t D, int64_t dr) { (void)D; (void)dr; return 0; }
 #endif
 
 /* 1 / max(sqrt(sq), 1e-12) over m values (inv_norm, vectorised: IEEE sqrt and division, same bits) */
@@ -158,7 +156,9 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
     if (D > MAX_D || dr > MAX_D || (d && (C <= 0 || C % c || !inv))) return -1;
     /* Eq. 9: token-major compacted queries */
     int32_t co[MAX_D];
-    int wide = qc_avx512_ok(D, dr);
+#if NB_AVX512
+    int wide = qc_avx512_ok(dr);
+#endif
     for (int64_t h = 0; h < H; h++) {
         for (int64_t e = 0; e < dr; e++) co[e] = (int32_t)coords[h * dr + e];
         for (int64_t i = 0; i < n; i++) {
@@ -178,13 +178,12 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
             }
         }
     }
-    (void)wide;
     if (!d) return 0;
     /* Eqs. 3, 8 over each whole C-token chunk and head */
     int64_t g = C / c, nb = t / C, D8 = D - D % 8, D4 = D - D % 4;
     double s[MAX_D];
     v8f part8[MAX_D / 8];
-    v4f part[1];
+    v4f part4;
     float mu[MAX_D], part_tail[4];
     for (int64_t jj = 0; jj < nb; jj++) {
         for (int64_t h = 0; h < H; h++) {
@@ -195,7 +194,7 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
                 const float *blk = k + (i * BH + h * r) * c * D;
                 float *inv_i = inv + (i - jj * g) * c;
                 for (int64_t e = 0; e < D8 / 8; e++) part8[e] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-                part[0] = (v4f){0, 0, 0, 0};
+                part4 = (v4f){0, 0, 0, 0};
                 for (int64_t e = 0; e < D - D4; e++) part_tail[e] = 0.0f;
                 for (int64_t j = 0; j < c; j++) inv_i[j] = row_sq(blk + j * D, D, D8);
                 inv_norms(inv_i, c);
@@ -207,12 +206,12 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
                         LOAD8(x0, x + 8 * e);
                         part8[e] += w * x0;
                     }
-                    if (D4 > D8) part[0] += w * load4(x + D8);
+                    if (D4 > D8) part4 += w * load4(x + D8);
                     for (int64_t e = D4; e < D; e++) part_tail[e - D4] += w * x[e];
                 }
                 for (int64_t e = 0; e < D8 / 8; e++)
                     for (int l = 0; l < 8; l++) s[8 * e + l] += (double)part8[e][l];
-                for (int64_t e = D8; e < D4; e++) s[e] += (double)part[0][e - D8];
+                for (int64_t e = D8; e < D4; e++) s[e] += (double)part4[e - D8];
                 for (int64_t e = D4; e < D; e++) s[e] += (double)part_tail[e - D4];
             }
             double ss = 0.0;
