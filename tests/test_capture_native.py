@@ -55,6 +55,38 @@ def test_native_equals_torch_path(T, H, D, dr, C, r, c, buffered):
 
 
 @needs_native
+@pytest.mark.parametrize("D", [8, 20, 32, 36, 64, 128, 256])
+def test_l2norm_reproduces_torchs_bits(D):
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(5, 3, 32, D, generator=g) * 10 ** torch.randint(-6, 7, (5, 3, 32, 1), generator=g).float()
+    x[0, 0, :4] = 0.0                                     # padding rows: eps alone
+    x[1, 1, 2, 0] = 3e38                                  # overflowing square: inf sum, row becomes 0 / nan
+    for scale in (None, D ** -0.5):
+        want = gdn_cpu._l2norm_(x.clone())
+        if scale is not None:
+            want.mul_(scale)
+        got = x.clone()
+        assert native.l2norm_(got, gdn_cpu.L2_EPS, scale)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+
+
+@needs_native
+def test_delta_rule_gives_the_same_bits_with_and_without_the_c_l2norm(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    T, Hk, Hv, K, V = 2100, 2, 4, 32, 16
+    q, k = torch.randn(1, T, Hk, K, generator=g), torch.randn(1, T, Hk, K, generator=g)
+    v = torch.randn(1, T, Hv, V, generator=g)
+    gate, beta = -torch.rand(1, T, Hv, generator=g), torch.rand(1, T, Hv, generator=g)
+    with torch.no_grad():
+        o1, s1 = gdn_cpu.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True,
+                                                output_final_state=True)
+        monkeypatch.setenv(native.ENV, "0")
+        o2, s2 = gdn_cpu.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True,
+                                                output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@needs_native
 def test_bf16_rounding_matches_torch():
     specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3.4e38, -3.4e38,
                              1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -9, 1.00390625, 65504.0])
@@ -164,10 +196,12 @@ def test_avx2_clone_avx512_and_baseline_builds_agree_bitwise(tmp_path):
         out = tmp_path / f"k{i}.so"
         subprocess.run([native._compiler(), *native.FLAGS, *extra, "-o", str(out), str(native.SOURCE), "-lm"],
                        check=True, capture_output=True)
-        fn = ctypes.CDLL(str(out)).nb_capture_segment
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib = ctypes.CDLL(str(out))
+        fn, l2 = lib.nb_capture_segment, lib.nb_l2norm_rows
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
-        libs.append(fn)
+        l2.argtypes = [ptr, i64, i64, f32, f32, i64]
+        libs.append((fn, l2))
     g = torch.Generator().manual_seed(0)
     for H, D, dr, C, r in [(4, 32, 16, 512, 1), (3, 20, 7, 128, 2), (1, 36, 36, 2048, 1), (2, 64, 32, 512, 1),
                            (2, 24, 16, 256, 2)]:
@@ -177,10 +211,12 @@ def test_avx2_clone_avx512_and_baseline_builds_agree_bitwise(tmp_path):
         k = torch.randn(n, H * r, c, D, generator=g) * 3
         coords = torch.stack([torch.randperm(D, generator=g)[:dr] for _ in range(H)])
         outs = []
-        for fn in libs:
+        for fn, l2 in libs:
             qc, d, sc = torch.zeros(T, H, dr, dtype=torch.bfloat16), torch.zeros(T, H), torch.empty(C)
             assert fn(q.data_ptr(), k.data_ptr(), n, H * r, c, D, r, H, T, coords.data_ptr(), dr, qc.data_ptr(),
                       H * dr, dr, d.data_ptr(), H, 1, C, sc.data_ptr()) == 0
-            outs.append((qc, d))
-        for qc, d in outs[1:]:
-            assert torch.equal(outs[0][0], qc) and torch.equal(outs[0][1], d)
+            x = k.clone()
+            assert l2(x.data_ptr(), x.numel() // D, D, 1e-6, D ** -0.5, 1) == 0
+            outs.append((qc, d, x))
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other))

@@ -146,6 +146,131 @@ static inline float row_dot(const float *x, const float *mu, int64_t D, int64_t 
     return s;
 }
 
+/* Eq. 9 for kernel chunk i, key head h (kernel head h * r): rows 0 .. jn-1 */
+static inline __attribute__((always_inline)) void qc_chunk(const float *q, int64_t i, int64_t h, int64_t BH, int64_t c, int64_t D, int64_t r,
+                            int64_t jn, const int32_t *co, int64_t dr, uint16_t *qc, int64_t qc_tok,
+                            int64_t qc_head, int wide) {
+    const float *blk = q + (i * BH + h * r) * c * D;
+    uint16_t *dst0 = qc + i * c * qc_tok + h * qc_head;
+#if NB_AVX512
+    if (wide) {
+        qc_rows_avx512(blk, jn, D, co, dr, dst0, qc_tok);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    for (int64_t j = 0; j < jn; j++) {
+        const float *row = blk + j * D;
+        uint16_t *dst = dst0 + j * qc_tok;
+        for (int64_t e = 0; e < dr; e++) dst[e] = f32_to_bf16(row[co[e]]);
+    }
+}
+
+/* Eqs. 3, 8 for NoteBank chunk jj (kernel chunks jj*g .. jj*g+g-1), key head h */
+static inline __attribute__((always_inline)) void dist_chunk(const float *k, int64_t jj, int64_t h, int64_t g, int64_t BH, int64_t c,
+                              int64_t D, int64_t r, float *d, int64_t d_tok, int64_t d_head, float *inv) {
+    int64_t D8 = D - D % 8, D4 = D - D % 4;
+    double s[MAX_D];
+    v8f part8[MAX_D / 8];
+    v4f part4;
+    float mu[MAX_D], part_tail[4];
+    for (int64_t e = 0; e < D; e++) s[e] = 0.0;
+    for (int64_t i = jj * g; i < (jj + 1) * g; i++) {
+        /* one kernel chunk: its c rows summed in float (as a [1, c] x [c, D] product), then
+           added to the chunk's sum in double */
+        const float *blk = k + (i * BH + h * r) * c * D;
+        float *inv_i = inv + (i - jj * g) * c;
+        for (int64_t e = 0; e < D8 / 8; e++) part8[e] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+        part4 = (v4f){0, 0, 0, 0};
+        for (int64_t e = 0; e < D - D4; e++) part_tail[e] = 0.0f;
+        for (int64_t j = 0; j < c; j++) inv_i[j] = row_sq(blk + j * D, D, D8);
+        inv_norms(inv_i, c);
+        for (int64_t j = 0; j < c; j++) {
+            const float *x = blk + j * D;
+            float w = inv_i[j];
+            for (int64_t e = 0; e < D8 / 8; e++) {
+                v8f x0;
+                LOAD8(x0, x + 8 * e);
+                part8[e] += w * x0;
+            }
+            if (D4 > D8) part4 += w * load4(x + D8);
+            for (int64_t e = D4; e < D; e++) part_tail[e - D4] += w * x[e];
+        }
+        for (int64_t e = 0; e < D8 / 8; e++)
+            for (int l = 0; l < 8; l++) s[8 * e + l] += (double)part8[e][l];
+        for (int64_t e = D8; e < D4; e++) s[e] += (double)part4[e - D8];
+        for (int64_t e = D4; e < D; e++) s[e] += (double)part_tail[e - D4];
+    }
+    double ss = 0.0;
+    for (int64_t e = 0; e < D; e++) ss += s[e] * s[e];
+    double ns = sqrt(ss);
+    if (ns < 1e-12) ns = 1e-12;
+    for (int64_t e = 0; e < D; e++) mu[e] = (float)(s[e] / ns);
+    for (int64_t i = jj * g; i < (jj + 1) * g; i++) {
+        const float *blk = k + (i * BH + h * r) * c * D;
+        const float *inv_i = inv + (i - jj * g) * c;
+        for (int64_t j = 0; j < c; j++)
+            d[(i * c + j) * d_tok + h * d_head] = 1.0f - row_dot(blk + j * D, mu, D, D8) * inv_i[j];
+    }
+}
+
+/* The sum of squares of a row as torch computes `x.square().sum(-1)` for a contiguous float row of
+ * D < MAX_TORCH_SUM values on x86-64 (ATen's vectorized inner sum, 8-float vectors): four vector
+ * accumulators taking vectors 4i .. 4i+3 in turn, the remainder vectors added to the first, the
+ * four folded into the first in order; then a scalar sum: the D % 8 tail elements, then the 8
+ * lanes in order. Every product and sum is rounded as there (no contraction), so the bits are
+ * torch's; nbcore.kernels.native checks that on first use per D and otherwise keeps torch's ops. */
+#define MAX_TORCH_SUM 512
+static inline __attribute__((always_inline)) float torch_row_sumsq(const float *x, int64_t D) {
+    int64_t nv = D / 8, ilp = nv / 4;
+    v8f p0 = {0, 0, 0, 0, 0, 0, 0, 0}, p1 = p0, p2 = p0, p3 = p0;
+    for (int64_t i = 0; i < ilp; i++) {
+        v8f a, b, c_, d_;
+        LOAD8(a, x + 32 * i);
+        LOAD8(b, x + 32 * i + 8);
+        LOAD8(c_, x + 32 * i + 16);
+        LOAD8(d_, x + 32 * i + 24);
+        p0 += a * a;
+        p1 += b * b;
+        p2 += c_ * c_;
+        p3 += d_ * d_;
+    }
+    for (int64_t i = 4 * ilp; i < nv; i++) {
+        v8f a;
+        LOAD8(a, x + 8 * i);
+        p0 += a * a;
+    }
+    p0 += p1;
+    p0 += p2;
+    p0 += p3;
+    float f = 0.0f;
+    for (int64_t e = 8 * nv; e < D; e++) f += x[e] * x[e];
+    for (int l = 0; l < 8; l++) f += p0[l];
+    return f;
+}
+
+/* transformers' `l2norm` in place, then an optional scale, over m contiguous rows of D:
+ * x <- x * (1 / sqrt(sum(x^2) + eps)), then x <- x * scale (two roundings, as torch's two ops) */
+static inline __attribute__((always_inline)) void l2norm_rows(float *x, int64_t m, int64_t D, float eps, float scale, int scaled) {
+    for (int64_t j = 0; j < m; j++) {
+        float *row = x + j * D;
+        float w = 1.0f / sqrtf(torch_row_sumsq(row, D) + eps);
+        for (int64_t e = 0; e < D; e++) row[e] = row[e] * w;
+        if (scaled)
+            for (int64_t e = 0; e < D; e++) row[e] = row[e] * scale;
+    }
+}
+
+/* In place over rows x [rows, D] (contiguous): transformers' l2norm with eps, then times scale if
+ * scaled. Returns 0, or -1 if D >= MAX_TORCH_SUM (nothing written). */
+NB_CLONES
+int nb_l2norm_rows(float *x, int64_t rows, int64_t D, float eps, float scale, int64_t scaled) {
+    if (D <= 0 || D >= MAX_TORCH_SUM) return -1;
+    l2norm_rows(x, rows, D, eps, scale, (int)scaled);
+    return 0;
+}
+
 /* Returns 0, or -1 if D or d_rho > MAX_D or C is not a multiple of c (nothing written then).
  * inv: scratch of at least C floats (or NULL when d is NULL). */
 NB_CLONES
@@ -154,78 +279,21 @@ int nb_capture_segment(const float *q, const float *k, int64_t n, int64_t BH, in
                        uint16_t *qc, int64_t qc_tok, int64_t qc_head,
                        float *d, int64_t d_tok, int64_t d_head, int64_t C, float *inv) {
     if (D > MAX_D || dr > MAX_D || (d && (C <= 0 || C % c || !inv))) return -1;
+    int wide = 0;
+#if NB_AVX512
+    wide = qc_avx512_ok(dr);
+#endif
     /* Eq. 9: token-major compacted queries */
     int32_t co[MAX_D];
-#if NB_AVX512
-    int wide = qc_avx512_ok(dr);
-#endif
     for (int64_t h = 0; h < H; h++) {
         for (int64_t e = 0; e < dr; e++) co[e] = (int32_t)coords[h * dr + e];
-        for (int64_t i = 0; i < n; i++) {
-            const float *blk = q + (i * BH + h * r) * c * D;
-            int64_t jn = t - i * c < c ? t - i * c : c;
-            uint16_t *dst0 = qc + i * c * qc_tok + h * qc_head;
-#if NB_AVX512
-            if (wide) {
-                qc_rows_avx512(blk, jn, D, co, dr, dst0, qc_tok);
-                continue;
-            }
-#endif
-            for (int64_t j = 0; j < jn; j++) {
-                const float *row = blk + j * D;
-                uint16_t *dst = dst0 + j * qc_tok;
-                for (int64_t e = 0; e < dr; e++) dst[e] = f32_to_bf16(row[co[e]]);
-            }
-        }
+        for (int64_t i = 0; i < n; i++)
+            qc_chunk(q, i, h, BH, c, D, r, t - i * c < c ? t - i * c : c, co, dr, qc, qc_tok, qc_head, wide);
     }
     if (!d) return 0;
     /* Eqs. 3, 8 over each whole C-token chunk and head */
-    int64_t g = C / c, nb = t / C, D8 = D - D % 8, D4 = D - D % 4;
-    double s[MAX_D];
-    v8f part8[MAX_D / 8];
-    v4f part4;
-    float mu[MAX_D], part_tail[4];
-    for (int64_t jj = 0; jj < nb; jj++) {
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t e = 0; e < D; e++) s[e] = 0.0;
-            for (int64_t i = jj * g; i < (jj + 1) * g; i++) {
-                /* one kernel chunk: its c rows summed in float (as a [1, c] x [c, D] product), then
-                   added to the chunk's sum in double */
-                const float *blk = k + (i * BH + h * r) * c * D;
-                float *inv_i = inv + (i - jj * g) * c;
-                for (int64_t e = 0; e < D8 / 8; e++) part8[e] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-                part4 = (v4f){0, 0, 0, 0};
-                for (int64_t e = 0; e < D - D4; e++) part_tail[e] = 0.0f;
-                for (int64_t j = 0; j < c; j++) inv_i[j] = row_sq(blk + j * D, D, D8);
-                inv_norms(inv_i, c);
-                for (int64_t j = 0; j < c; j++) {
-                    const float *x = blk + j * D;
-                    float w = inv_i[j];
-                    for (int64_t e = 0; e < D8 / 8; e++) {
-                        v8f x0;
-                        LOAD8(x0, x + 8 * e);
-                        part8[e] += w * x0;
-                    }
-                    if (D4 > D8) part4 += w * load4(x + D8);
-                    for (int64_t e = D4; e < D; e++) part_tail[e - D4] += w * x[e];
-                }
-                for (int64_t e = 0; e < D8 / 8; e++)
-                    for (int l = 0; l < 8; l++) s[8 * e + l] += (double)part8[e][l];
-                for (int64_t e = D8; e < D4; e++) s[e] += (double)part4[e - D8];
-                for (int64_t e = D4; e < D; e++) s[e] += (double)part_tail[e - D4];
-            }
-            double ss = 0.0;
-            for (int64_t e = 0; e < D; e++) ss += s[e] * s[e];
-            double ns = sqrt(ss);
-            if (ns < 1e-12) ns = 1e-12;
-            for (int64_t e = 0; e < D; e++) mu[e] = (float)(s[e] / ns);
-            for (int64_t i = jj * g; i < (jj + 1) * g; i++) {
-                const float *blk = k + (i * BH + h * r) * c * D;
-                const float *inv_i = inv + (i - jj * g) * c;
-                for (int64_t j = 0; j < c; j++)
-                    d[(i * c + j) * d_tok + h * d_head] = 1.0f - row_dot(blk + j * D, mu, D, D8) * inv_i[j];
-            }
-        }
-    }
+    int64_t g = C / c, nb = t / C;
+    for (int64_t jj = 0; jj < nb; jj++)
+        for (int64_t h = 0; h < H; h++) dist_chunk(k, jj, h, g, BH, c, D, r, d, d_tok, d_head, inv);
     return 0;
 }

@@ -24,6 +24,10 @@ Same maths, reorganised for a CPU (all fp32, like the reference):
   ``inplace=True`` (what `nbcore.kernels.installed` asks for inside the backbone's forward) the
   result overwrites the input: no new sequence-sized buffer, whose first touch alone costs more
   than the conv on a VM.
+* q/k preparation (transformers' l2norm, then q times K^-1/2): one C pass per row
+  (`nbcore.kernels.native.l2norm_`, ~5% of a layer call less on the tiny models) instead of
+  square / sum / rsqrt / two multiplies over the segment; it reproduces the torch ops' bits
+  (ATen's summation order, checked once per head size at first use, else those torch ops run).
 * exp() arguments are clamped at -80 (e^-80 ~ 2e-35 stands for 0): x86 exp is ~40x slower when
   its result would be denormal, or its input is -inf (the reference's masking).
 
@@ -42,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_gated_delta_rule", "causal_conv1d_fn", "CHUNK", "SEGMENT"]
+__all__ = ["chunk_gated_delta_rule", "causal_conv1d_fn", "CHUNK", "SEGMENT", "L2_EPS"]
 
 CHUNK = 32        # tokens per chunk (the UT-transform block)
 SEGMENT = 2048    # tokens per segment of the batched precompute (bounded memory, cache locality)
@@ -87,9 +91,25 @@ def _gates_f32(x: torch.Tensor, C: int) -> torch.Tensor:
     return out.view(N, B * H, C)
 
 
-def _l2norm_(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6       # transformers' `l2norm` eps (qwen3_5 / qwen3_next)
+
+
+def _l2norm_(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """In place, as transformers' `l2norm`: x * rsqrt(sum(x^2) + eps) over the last dim."""
     return x.mul_(torch.rsqrt(x.square().sum(-1, keepdim=True).add_(eps)))
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, K: int, l2norm: bool) -> None:
+    """In place: q, k L2-normalised over the head dim (if l2norm), then q scaled by K^-1/2.
+    One C pass per tensor where `nbcore.kernels.native` runs and reproduces these torch ops'
+    bits (checked once per head size), else the torch ops: the same numbers either way."""
+    if l2norm:
+        from nbcore.kernels import native
+        if native.l2norm_(q, L2_EPS, K ** -0.5) and native.l2norm_(k, L2_EPS):
+            return
+        _l2norm_(q)
+        _l2norm_(k)
+    q.mul_(K ** -0.5)
 
 
 def _segment(q, k, v, g, beta, S, C):
@@ -201,10 +221,7 @@ def chunk_gated_delta_rule(
         k = _chunked_f32(key[:, a:b], Hv, C)
         if feature_sink is not None:
             feature_sink(a, b - a, q, k)
-        if use_qk_l2norm_in_kernel:
-            _l2norm_(q)
-            _l2norm_(k)
-        q.mul_(K ** -0.5)
+        _prepare_qk(q, k, K, use_qk_l2norm_in_kernel)
         o = _segment(q, k, _chunked_f32(value[:, a:b], Hv, C), _gates_f32(g[:, a:b], C),
                      _gates_f32(beta[:, a:b], C), S, C)             # [n, BH, C, V]
         _unchunk_into(out[:, a:b], o)

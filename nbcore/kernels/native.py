@@ -6,6 +6,11 @@ compiler and loaded through ctypes (no torch headers, no ninja: one `cc` call of
 ops on small tensors. `ChunkReducer.on_segment`'s torch path stays beside it as the reference
 (tests/test_capture_native.py: compacted queries bit-equal, distinctiveness within 2e-6).
 
+`l2norm_` is the delta-rule kernel's q/k preparation (transformers' `l2norm`, then q's scale) in
+one pass per row instead of five torch ops over the segment; it reproduces ATen's summation
+order, so its bits are torch's, and `l2norm_matches_torch` checks that once per head size before
+it is used (gdn_cpu keeps the torch ops where it does not hold).
+
 When it is used: CPU float32 contiguous segments, a compiler found (`$CC`, else `cc`), and
 `NB_NATIVE_KERNELS` not set to 0. Otherwise `capture_segment` returns False and the caller takes
 the torch path; a failed build is logged once, never raised.
@@ -33,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["capture_segment", "capture_into", "available", "library_path", "ENV", "ENV_CACHE"]
+__all__ = ["capture_segment", "capture_into", "l2norm_", "l2norm_matches_torch", "available",
+           "library_path", "ENV", "ENV_CACHE"]
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +111,15 @@ def _load():
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
-        fn = lib.nb_capture_segment
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
-        fn.restype = ctypes.c_int
-        _LIB = fn
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        capture_args = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr]
+        fns = {}
+        for name, args in (("nb_capture_segment", capture_args),
+                           ("nb_l2norm_rows", [ptr, i64, i64, f32, f32, i64])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            fns[name] = fn
+        _LIB = fns
     except Exception as e:   # noqa: BLE001 - any build or load failure means: use the torch path
         log.warning("NoteBank's native capture kernel is unavailable (%s); using the torch path", e)
     return _LIB
@@ -170,5 +180,53 @@ def capture_into(q: torch.Tensor, k: torch.Tensor, r: int, H: int, t: int, coord
         return False
     n, BH, c, D = k.shape
     scratch = _scratch(int(chunk_size)).data_ptr() if d_ptr is not None else None
-    return fn(q.data_ptr(), k.data_ptr(), n, BH, c, D, r, H, t, coords_ptr, dr, qc_ptr, qc_tok, qc_head,
-              d_ptr, d_tok, d_head, int(chunk_size or 0), scratch) == 0
+    return fn["nb_capture_segment"](q.data_ptr(), k.data_ptr(), n, BH, c, D, r, H, t, coords_ptr, dr, qc_ptr, qc_tok,
+                                    qc_head, d_ptr, d_tok, d_head, int(chunk_size or 0), scratch) == 0
+
+
+_L2_CHECKED: dict[tuple[int, float], bool] = {}
+
+
+def l2norm_matches_torch(D: int, eps: float) -> bool:
+    """Whether the C l2norm gives torch's bits for rows of D values here (it reproduces ATen's
+    summation order for a contiguous row on x86-64; another build of torch or another CPU may
+    sum differently). Checked once per (D, eps) on random rows of widely varied scale; a mismatch
+    keeps the torch ops for that D."""
+    key = (int(D), float(eps))
+    ok = _L2_CHECKED.get(key)
+    if ok is None:
+        ok = False
+        fn = _load() if _enabled() else None
+        if fn is not None and 0 < D < 512:
+            g = torch.Generator().manual_seed(D)
+            x = torch.randn(3, 2, 32, D, generator=g) * torch.logspace(-4, 4, 32)[None, None, :, None]
+            x[0, 0, 0] = 0.0                                   # a zero row (padding): eps alone
+            ok = True
+            from nbcore.kernels.gdn_cpu import _l2norm_      # the reference: transformers' l2norm in torch ops
+            for scale in (None, D ** -0.5):
+                ref, got = _l2norm_(x.clone(), eps), x.clone()
+                if scale is not None:
+                    ref.mul_(scale)
+                rc = fn["nb_l2norm_rows"](got.data_ptr(), got.numel() // D, D, float(eps),
+                                          float(scale or 1.0), int(scale is not None))
+                ok = ok and rc == 0 and torch.equal(ref, got)
+            if not ok:
+                log.info("the C l2norm does not reproduce torch's bits for D=%d here; using torch's ops", D)
+        _L2_CHECKED[key] = ok
+    return ok
+
+
+def l2norm_(x: torch.Tensor, eps: float, scale: float | None = None) -> bool:
+    """In place over the last dim of a contiguous CPU float32 tensor: transformers' `l2norm`
+    (x * rsqrt(sum(x^2) + eps)), then times `scale` if given, in one pass per row, with the bits of
+    those torch ops (`l2norm_matches_torch`). False (x untouched) when it cannot run here."""
+    if not (x.dtype is torch.float32 and x.is_contiguous() and x.device.type == "cpu" and x.dim() >= 1
+            and _enabled()):
+        return False
+    D = x.shape[-1]
+    if not l2norm_matches_torch(D, eps):
+        return False
+    if x.numel() == 0:
+        return True
+    return _load()["nb_l2norm_rows"](x.data_ptr(), x.numel() // D, D, float(eps),
+                                     float(1.0 if scale is None else scale), int(scale is not None)) == 0
