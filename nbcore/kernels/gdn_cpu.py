@@ -105,7 +105,9 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, K: int, l2norm: bool) -> None:
     bits (checked once per head size), else the torch ops: the same numbers either way."""
     if l2norm:
         from nbcore.kernels import native
-        if native.l2norm_(q, L2_EPS, K ** -0.5) and native.l2norm_(k, L2_EPS):
+        if native.l2norm_(q, L2_EPS, K ** -0.5):        # q done (scale included): never normalised twice
+            if not native.l2norm_(k, L2_EPS):
+                _l2norm_(k)
             return
         _l2norm_(q)
         _l2norm_(k)
