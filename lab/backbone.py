@@ -202,6 +202,14 @@ PHASES["phrasings-random"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TR
                                + ("phrased_niah_varied", "phrased_multikey_varied")
                                + ("phrased_niah_random", "phrased_multikey_random") * 3, 2.0, 1.0)]
 
+# echo wording (nbcore/tasks/phrased.py ECHO_PHRASINGS: random words, the answer prefix ending with the
+# words written right before the value) three times as often as the varied and random mix: induction
+# ("copy what followed the words just read"), not a template, carries to a prefix that repeats its needle
+PHASES["phrasings-echo"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS
+                             + ("phrased_niah_varied", "phrased_multikey_varied")
+                             + ("phrased_niah_random", "phrased_multikey_random")
+                             + ("phrased_niah_echo", "phrased_multikey_echo") * 3, 2.0, 1.0)]
+
 def phases_json(phases) -> list:
     """Phases as stored in train_meta.json (tuples -> lists)."""
     return [[p[0], p[1], list(p[2]), p[3], p[4]] for p in phases]

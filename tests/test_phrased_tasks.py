@@ -46,7 +46,8 @@ def test_registry_and_lookup(tok):
     assert set(phrased.TASKS) == set(ruler.other_tasks()) and not set(phrased.TASKS) & set(ruler.TASKS)
     assert all(ruler.is_task(t) for t in [*ruler.TASKS, *phrased.TASKS]) and not ruler.is_task("nope")
     assert phrased.TRAIN_TASKS == ("phrased_niah_train", "phrased_multikey_train", "phrased_niah_varied",
-                                   "phrased_multikey_varied", "phrased_niah_random", "phrased_multikey_random")
+                                   "phrased_multikey_varied", "phrased_niah_random", "phrased_multikey_random",
+                                   "phrased_niah_echo", "phrased_multikey_echo")
     assert phrased.FIXED_TRAIN_TASKS == phrased.TRAIN_TASKS[:2]
     ex = ruler.generate("phrased_niah_heldout", 1024, 0, tok)
     assert ex == phrased.generate("phrased_niah_heldout", 1024, 0, tok)
@@ -194,6 +195,28 @@ def test_random_phrasings_are_random_words_wellformed_and_share_no_heldout_trigr
         value_first += f.needle.index("{value}") < f.needle.index("{key}")
     assert 250 <= value_first <= 450
     assert phrased._random_phrasings() == rand          # the same families on every import
+
+def test_echo_phrasings_end_the_prefix_with_the_words_before_the_value_and_share_no_heldout_trigram():
+    echo, held = phrased.ECHO_PHRASINGS, phrased.HELDOUT_PHRASINGS
+    assert len(echo) == 1000 and len({f.name for f in echo}) == 1000 and len({f.needle for f in echo}) == 1000
+    others = held + phrased.TRAIN_PHRASINGS + phrased.VARIED_PHRASINGS + phrased.RANDOM_PHRASINGS
+    assert not {f.name for f in echo} & {f.name for f in others}
+    vocab, held3 = set(phrased._prose_vocabulary()), set().union(*(_trigrams(f) for f in held))
+    with_key = 0
+    for f in echo:
+        assert f.needle.count("{key}") == 1 and f.needle.count("{value}") == 1
+        assert f.needle.index("{key}") < f.needle.index("{value}")            # key first, always
+        assert "{key}" in f.question and f.prefix.startswith(" ") and "{value}" not in f.question + f.prefix
+        assert not _trigrams(f) & held3, (f.name, _trigrams(f) & held3)
+        assert phrased.needle_regex(f).fullmatch(f.needle.format(key="a-b", value="1234567"))
+        before = f.needle[:f.needle.index(" {value}")].split(" ")     # the needle's words before the value
+        assert f.prefix.split(" ")[-1] == before[-1] != "{key}"       # the prefix ends with the word before it
+        words = re.findall(r"[A-Za-z']+", re.sub(r"\{\w+\}", " ", f.needle + f.question + f.prefix))
+        assert {w.lower() for w in words} <= vocab
+        with_key += "{key}" in f.prefix
+    assert 600 <= with_key <= 800
+    assert phrased._echo_phrasings() == echo
+
 
 def _prose_sentences(ex) -> list[str]:
     ctx = ex["context"]

@@ -44,12 +44,22 @@ def test_random_curriculum_adds_random_word_phrasings_to_the_varied_mix():
     assert (lo, hi) == (96, 2048) and (em, frac) == (2.0, 1.0)
     assert tuple(t for t in tasks if t not in phrased.TASKS) == bb.PHASES["uuid"][0][2]
     phr = [t for t in tasks if t in phrased.TASKS]
-    assert set(phr) == set(phrased.TRAIN_TASKS)
+    assert set(phr) == set(phrased.TRAIN_TASKS) - {"phrased_niah_echo", "phrased_multikey_echo"}
     assert phr.count("phrased_niah_random") == 3 and phr.count("phrased_niah_varied") == 1
 
 
+def test_echo_curriculum_adds_echo_phrasings_to_the_random_mix():
+    (lo, hi, tasks, em, frac), = bb.PHASES["phrasings-echo"]
+    assert (lo, hi) == (96, 2048) and (em, frac) == (2.0, 1.0)
+    assert tuple(t for t in tasks if t not in phrased.TASKS) == bb.PHASES["uuid"][0][2]
+    phr = [t for t in tasks if t in phrased.TASKS]
+    assert set(phr) == set(phrased.TRAIN_TASKS)
+    assert phr.count("phrased_niah_echo") == 3 and phr.count("phrased_niah_random") == 1
+
+
 @pytest.mark.parametrize("curriculum, families", [("phrasings-varied", "VARIED_PHRASINGS"),
-                                                   ("phrasings-random", "RANDOM_PHRASINGS")])
+                                                   ("phrasings-random", "RANDOM_PHRASINGS"),
+                                                   ("phrasings-echo", "ECHO_PHRASINGS")])
 def test_curriculum_batches_hold_no_heldout_wording(tok, curriculum, families):
     tc = bb.TrainConfig(seed=0, tokens_per_step=1024, prose_frac=0.0, phrasings_frac=1.0,
                         phases=[(96, 256) + bb.PHASES[curriculum][0][2:]])

@@ -199,6 +199,39 @@ def _random_phrasings(n: int = 1000, seed: int = 0) -> tuple[Phrasing, ...]:
 RANDOM_PHRASINGS: tuple[Phrasing, ...] = _random_phrasings()
 
 
+# ECHO phrasings: random training-prose words as above, key first, and the answer prefix ends with
+# the 1-3 words that stand right before the value in the needle ("... {key} w w ECHO {value} ...",
+# prefix " ... {key} ... ECHO"). What a reader learns from them is induction: find where the words it
+# has just read were written, and copy what followed. Natural answer prefixes often repeat the
+# needle's verb ("... should dial {value}" / "To return {key}, dial"); RULER's and the fixed TRAIN
+# families' do so in one template each. Same trigram filter against the HELD-OUT templates.
+def _echo_phrasings(n: int = 1000, seed: int = 0) -> tuple[Phrasing, ...]:
+    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
+    vocab = _prose_vocabulary()
+    rng = random.Random(f"echo-phrasings|{seed}")
+
+    def words(lo: int, hi: int) -> list[str]:
+        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+
+    out: list[Phrasing] = []
+    while len(out) < n:
+        echo = words(1, 3)
+        needle = " ".join([*words(1, 4), "{key}", *words(0, 3), *echo, "{value}", *words(0, 3)])
+        needle = needle[0].upper() + needle[1:] + "."
+        question = " ".join([*words(1, 4), "{key}", *words(0, 3)])
+        question = question[0].upper() + question[1:] + "?"
+        lead = [*words(0, 2), "{key}", *words(0, 2)] if rng.random() < 0.7 else words(0, 2)
+        prefix = " " + " ".join([*lead, *echo])
+        if any(_words3(t) & held for t in (needle, question, prefix)):
+            continue
+        out.append(Phrasing(f"echo-{len(out)}", needle, question, prefix))
+    return tuple(out)
+
+
+#: 1,000 random-word TRAIN-side families whose answer prefix repeats the words before the value
+ECHO_PHRASINGS: tuple[Phrasing, ...] = _echo_phrasings()
+
+
 def _ruler_phrasing() -> Phrasing:
     _, q = ruler._niah_texts(ruler.TASKS["niah_single_2"], "{key}")   # "\nWhat is ...? The ... is"
     question, prefix = q[1:].split("?", 1)
@@ -209,13 +242,13 @@ def _ruler_phrasing() -> Phrasing:
 RULER_PHRASING = _ruler_phrasing()
 
 PHRASINGS = {"train": TRAIN_PHRASINGS, "heldout": HELDOUT_PHRASINGS, "ruler": (RULER_PHRASING,),
-             "varied": VARIED_PHRASINGS, "random": RANDOM_PHRASINGS}
+             "varied": VARIED_PHRASINGS, "random": RANDOM_PHRASINGS, "echo": ECHO_PHRASINGS}
 PROSE_NAMES = {"train": "fortunes", "heldout": "python-docs"}
 
 
 @dataclass(frozen=True)
 class PhrasedSpec:
-    phrasings: str   # "train" | "heldout" | "ruler" | "varied" (TRAIN-side, grammar-built) | "random"
+    phrasings: str   # "train" | "heldout" | "ruler" | "varied" (TRAIN-side, grammar-built) | "random" | "echo"
     prose: str       # "train" | "heldout"
     num_k: int = 1   # needles (distinct keys, one family); one of them is asked
 
@@ -231,9 +264,11 @@ TASKS: dict[str, PhrasedSpec] = {
     "phrased_multikey_varied": PhrasedSpec("varied", "train", num_k=4),
     "phrased_niah_random": PhrasedSpec("random", "train"),
     "phrased_multikey_random": PhrasedSpec("random", "train", num_k=4),
+    "phrased_niah_echo": PhrasedSpec("echo", "train"),
+    "phrased_multikey_echo": PhrasedSpec("echo", "train", num_k=4),
 }
 #: the tasks a training curriculum may use (TRAIN phrasings in TRAIN prose only)
-TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings in ("train", "varied", "random") and s.prose == "train")
+TRAIN_TASKS = tuple(t for t, s in TASKS.items() if s.phrasings in ("train", "varied", "random", "echo") and s.prose == "train")
 #: the trainable tasks with the 8 fixed TRAIN phrasings (the ``phrasings`` curriculum's)
 FIXED_TRAIN_TASKS = ("phrased_niah_train", "phrased_multikey_train")
 
