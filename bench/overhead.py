@@ -7,7 +7,8 @@ L tokens for the model's tokenizer. The input is TEXT and tokenisation happens i
             writing (rebuilt every run) -> probe the question from a state copy -> route (Eq. 5)
             -> replay 2 notes + question from another copy -> `--gen` greedy tokens
 EOS and stop strings are disabled so both methods generate exactly `--gen` tokens. Methods are
-alternated (plain first on even reps), `--reps` timed runs each, medians reported, with the
+alternated (plain first on even reps; `--interleave block`: the two runs stepped in alternation block
+by block, each timed on its own steps), `--reps` timed runs each, medians reported, with the
 median of each stage so the writer's share of the overhead is visible. Model loading is excluded;
 one warm-up pair runs at the first length. The archive's bytes are reported beside Eq. 19.
 
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 from bench.common import machine, median, today, write_json  # noqa: E402
 from nbcore import NoteBankConfig, ReadConfig, answer, ingest, load_backbone  # noqa: E402
 from nbcore import cost  # noqa: E402
+from nbcore.reader import ingest_steps  # noqa: E402
 from nbcore.kernels import native  # noqa: E402
 
 K = 1024
@@ -67,36 +69,91 @@ def make_text_input(bb, n_tokens: int, seed: int = 0) -> tuple[str, str]:
     return ex["context"], ex["question"]
 
 
-def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int) -> dict:
-    """One timed run from text -> stage times (s) and counts."""
+def method_steps(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int,
+                 out: dict):
+    """One method's run from text as a generator of steps: tokenising (with sentence offsets for
+    NoteBank), then one step per block (`ingest_steps`), the archive's finish, and the answer; fills
+    `out` with its stage times and counts at the end. Driving it to the end is one run
+    (`run_text`); two of them stepped in alternation is the interleaved mode."""
     rc = ReadConfig(method=method, top_r=2, max_new_tokens=gen, stop_at_eos=False)
-    ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    c0 = time.process_time()
-    t0 = time.perf_counter()
     if method == "plain":
+        t0 = time.perf_counter()
         ids = np.asarray(bb.tokenizer(text)["input_ids"], dtype=np.int64)
         t_tok = time.perf_counter() - t0
-        res = ingest(bb, token_ids=ids, cfg=cfg, block_size=block, write=False)
+        steps = ingest_steps(bb, token_ids=ids, cfg=cfg, block_size=block, write=False)
     else:
-        res = ingest(bb, text, cfg, block_size=block, write=True)
-        t_tok = None
-    t1 = time.perf_counter()
+        t_tok = None     # tokenised inside ingest_steps' first step (with sentence offsets)
+        steps = ingest_steps(bb, text, cfg, block_size=block, write=True)
+    t0 = time.perf_counter()
+    next(steps)                                    # checked and tokenised
+    t_first = time.perf_counter() - t0
+    yield
+    res = yield from steps                         # one step per block, then the archive's finish
+    yield
     ans = answer(bb, res.state, res.archive, question, rc)
-    t2 = time.perf_counter()
-    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     pre, wr = res.timings["prefill_s"], res.timings["write_s"]
-    ingest_s = t1 - t0
-    return {"total_s": t2 - t0, "cpu_s": time.process_time() - c0, "ingest_s": ingest_s,
-            # kernel time and minor page faults: big temporaries that glibc maps and unmaps per
-            # call are re-faulted every time (README, "Speed"); this shows how much of a run it was
-            "sys_s": ru1.ru_stime - ru0.ru_stime, "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
-            # notebank tokenises inside ingest (with sentence offsets): the rest of its ingest time
-            "tokenize_s": t_tok if t_tok is not None else ingest_s - pre - wr,
-            "prefill_s": pre, "write_s": wr, "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
-            "replay_generate_s": ans.timings["replay_generate_s"], "n_tokens": res.n_tokens,
-            "n_notes": len(res.archive), "archived_tokens": int(sum(len(t) for t in res.archive.token_ids)),
-            "archive_bytes": archive_nbytes(res.archive), "channels": bb.n_channels,
-            "addr_dim": cfg.addr_dim, "answer": ans.text}
+    out.update({
+        "tokenize_s": t_tok if t_tok is not None else t_first,
+        "prefill_s": pre, "write_s": wr, "probe_s": ans.timings["probe_s"], "route_s": ans.timings["route_s"],
+        "replay_generate_s": ans.timings["replay_generate_s"], "n_tokens": res.n_tokens,
+        "n_notes": len(res.archive), "archived_tokens": int(sum(len(t) for t in res.archive.token_ids)),
+        "archive_bytes": archive_nbytes(res.archive), "channels": bb.n_channels,
+        "addr_dim": cfg.addr_dim, "answer": ans.text})
+
+
+class _Clock:
+    """Wall, process-CPU and kernel time, and minor page faults, summed over the steps it times."""
+
+    def __init__(self):
+        self.total_s = self.cpu_s = self.sys_s = 0.0
+        self.minor_faults = 0
+
+    def step(self, steps) -> bool:
+        """Time one next(steps); -> False once the generator is done."""
+        ru0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
+        try:
+            next(steps)
+            more = True
+        except StopIteration:
+            more = False
+        self.total_s += time.perf_counter() - t0
+        self.cpu_s += time.process_time() - c0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        # kernel time and minor page faults: big temporaries that glibc maps and unmaps per call
+        # are re-faulted every time (README, "Speed"); this shows how much of a run it was
+        self.sys_s += ru1.ru_stime - ru0.ru_stime
+        self.minor_faults += ru1.ru_minflt - ru0.ru_minflt
+        return more
+
+    def result(self, out: dict) -> dict:
+        return dict(out, total_s=self.total_s, cpu_s=self.cpu_s, sys_s=self.sys_s, minor_faults=self.minor_faults)
+
+
+def run_text(bb, text: str, question: str, method: str, cfg: NoteBankConfig, gen: int, block: int) -> dict:
+    """One timed run from text -> stage times (s) and counts."""
+    out, clock = {}, _Clock()
+    steps = method_steps(bb, text, question, method, cfg, gen, block, out)
+    while clock.step(steps):
+        pass
+    return clock.result(out)
+
+
+def run_interleaved(bb, text: str, question: str, cfg: NoteBankConfig, gen: int, block: int,
+                    first: int = 0) -> dict[str, dict]:
+    """Both methods' runs stepped in alternation on one core: tokenising, each block, the finish and
+    the answer of one, then the same step of the other (which goes first alternates, starting with
+    METHODS[first]). Each method's time is the sum of its own steps, so a slow phase of a noisy
+    host (seconds long on the 2-core VM) falls on both methods instead of on one run."""
+    outs = {m: {} for m in METHODS}
+    clocks = {m: _Clock() for m in METHODS}
+    steps = {m: method_steps(bb, text, question, m, cfg, gen, block, outs[m]) for m in METHODS}
+    k = first
+    while steps:
+        for m in (METHODS if k % 2 == 0 else METHODS[::-1]):
+            if m in steps and not clocks[m].step(steps[m]):
+                del steps[m]
+        k += 1
+    return {m: clocks[m].result(outs[m]) for m in METHODS}
 
 
 def archive_nbytes(archive) -> int:
@@ -181,7 +238,14 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
 DEFAULT_BLOCK = 8192
 
 
-def bench(bb, lengths, cfg, gen=32, reps=3, block=DEFAULT_BLOCK, log=print, warm=True):
+INTERLEAVE = ("run", "block")
+
+
+def bench(bb, lengths, cfg, gen=32, reps=3, block=DEFAULT_BLOCK, log=print, warm=True, interleave="run"):
+    """interleave="run": whole runs alternated (plain first on even reps); "block": the two methods'
+    runs stepped in alternation block by block (`run_interleaved`, who goes first alternating by rep)."""
+    if interleave not in INTERLEAVE:
+        raise ValueError(f"interleave must be one of {INTERLEAVE}, got {interleave!r}")
     out = {}
     for name in lengths:
         text, question = make_text_input(bb, parse_len(name))
@@ -191,9 +255,15 @@ def bench(bb, lengths, cfg, gen=32, reps=3, block=DEFAULT_BLOCK, log=print, warm
             warm = False
         runs = {m: [] for m in METHODS}
         for r in range(reps):
+            if interleave == "block":
+                pair = run_interleaved(bb, text, question, cfg, gen, block, first=r % 2)
+                for m in METHODS:
+                    runs[m].append(pair[m])
+                continue
             for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
                 runs[m].append(run_text(bb, text, question, m, cfg, gen, block))
         out[name] = row = summarise(name, runs)
+        row["interleave"] = interleave
         log(f"{name:>5} ({row['tokens']} tok): plain {row['plain_s']:.2f}s  nb {row['nb_s']:.2f}s  "
             f"ratio {row['ratio']:.4f} (95% {row['ratio_ci95'][0]:.3f}-{row['ratio_ci95'][1]:.3f}, median pair "
             f"{row['pair_ratio_median']:.4f}, cpu {row['cpu_ratio']:.4f}, plain spread {row['plain_spread_pct']}%)  writer share {row['writer_share_pct']:.1f}%  "
@@ -226,6 +296,10 @@ def main(argv=None):
     ap.add_argument("--allocator", choices=("tuned", "default"), default="tuned",
                     help="glibc malloc thresholds: 'tuned' = what the pipeline's CPU workers set at start "
                          "(pipeline/allocator.py), 'default' = glibc's own (default: %(default)s)")
+    ap.add_argument("--interleave", choices=INTERLEAVE, default="run",
+                    help="'run': whole runs of the two methods alternated; 'block': the two runs stepped in "
+                         "alternation block by block, each timed on its own steps, so that a noisy host's slow "
+                         "phases fall on both methods (default: %(default)s)")
     ap.add_argument("--route", action="store_true", help="also run the routing benchmark")
     ap.add_argument("--out", default="", help="JSON result file")
     args = ap.parse_args(argv)
@@ -253,8 +327,11 @@ def main(argv=None):
     doc = {"machine": machine(), "date": today(), "model": args.model, "input": "text",
            "notebank": cfg.to_dict(),
            "protocol": f"RULER niah_single_2 text tokenised inside the timing; median of {args.reps}, "
-                       f"methods alternated, {args.gen} generated tokens, top-2, archive rebuilt each run, "
-                       f"block {args.block}",
+                       + ("methods alternated run by run" if args.interleave == "run" else
+                          "the two methods' runs stepped in alternation block by block (tokenising, each "
+                          "block, finish, answer), each timed on its own steps")
+                       + f", {args.gen} generated tokens, top-2, archive rebuilt each run, block {args.block}",
+           "interleave": args.interleave,
            "command": command,
            # glibc's allocator tunables change the noise a lot on a VM (README, "Speed")
            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
@@ -268,13 +345,15 @@ def main(argv=None):
             write_json(args.out, dict(doc, partial=partial))
 
     for name in lengths:      # one length at a time: partial results survive an interrupted run
-        doc["lengths"].update(bench(bb, [name], cfg, args.gen, args.reps, args.block, warm=not doc["lengths"]))
+        doc["lengths"].update(bench(bb, [name], cfg, args.gen, args.reps, args.block, warm=not doc["lengths"],
+                                    interleave=args.interleave))
         save(True)
     if big:
         bb13 = gdn13b_backbone(args.model)
         doc["gdn_1_3b_random"] = {"model": "random-init GDN-1.3B-shaped qwen3_5 (24 GDN layers, hidden 2048, "
                                            "8 heads x 256, fp32, CPU)", "channels": bb13.n_channels,
-                                  "lengths": bench(bb13, big, cfg, args.gen, args.reps, args.block)}
+                                  "lengths": bench(bb13, big, cfg, args.gen, args.reps, args.block,
+                                                   interleave=args.interleave)}
         save(True)
     if args.route:
         from bench.route_bench import bench_route

@@ -158,7 +158,7 @@ FEATURE_FIELDS = ("chunk_size", "addr_dim", "seed")   # what the per-chunk featu
 def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = None, *,
            token_ids=None, block_size: int = 8192, write: bool = True, progress=None,
            also: tuple[NoteBankConfig, ...] | list = (), parts=None, writer: str | None = None) -> IngestResult:
-    """Read a document with carried state and write its archive.
+    """Read a document with carried state and write its archive (`ingest_steps`, run to the end).
 
     parts: the document as a list of parts (texts or token-id sequences) joined by the join rule
     of `append` (see `encode_parts`); instead of text/token_ids. `IngestResult.carry` lets
@@ -171,6 +171,23 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
     change only how notes are written); each must share `cfg`'s FEATURE_FIELDS. Their archives
     equal separate ingests' (tested) and land in `IngestResult.also_archives`.
     writer: "device" or "reference" (see WRITERS; default DEFAULT_WRITER); same archives."""
+    steps = ingest_steps(bb, text, cfg, token_ids=token_ids, block_size=block_size, write=write,
+                         progress=progress, also=also, parts=parts, writer=writer)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def ingest_steps(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = None, *,
+                 token_ids=None, block_size: int = 8192, write: bool = True, progress=None,
+                 also: tuple[NoteBankConfig, ...] | list = (), parts=None, writer: str | None = None):
+    """`ingest` one step at a time: a generator that yields the tokens read so far, first 0 once
+    the input is checked and tokenised, then after each block's forward and write; its return value
+    (StopIteration.value) is the IngestResult. Arguments as `ingest`. Why: a caller can interleave
+    two reads block by block on one core (bench/overhead.py --interleave block), so that a noisy
+    host's slow phases fall on both alike."""
     cfg = (cfg or NoteBankConfig()).validate()
     also = [c.validate() for c in also]
     for c in also:
@@ -190,6 +207,7 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
         raise ValueError("empty document: nothing to read")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    yield 0
     C = cfg.chunk_size
     block = max(C, (block_size // C) * C)
     fp = bb.fingerprint()
@@ -224,6 +242,7 @@ def ingest(bb: Backbone, text: str | None = None, cfg: NoteBankConfig | None = N
             t_fwd += time.perf_counter() - t0
         if progress is not None:
             progress(len(chunk))
+        yield b0 + len(chunk)
     archive = writer.finish(T) if writer is not None else Archive.empty(bb.n_channels, cfg, fp, T)
     carry = writer.carry(pending_keys=tap.partial_keys()) if writer is not None else None
     return IngestResult(state, archive, T, {"prefill_s": t_fwd, "write_s": t_write}, ids,

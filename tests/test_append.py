@@ -237,3 +237,34 @@ def test_append_rejects_mismatches(bb):
 def test_join_rule_is_in_the_docstrings():
     norm = lambda s: " ".join(s.split())
     assert norm(JOIN_RULE) in norm(append.__doc__)
+
+
+def test_ingest_steps_yields_per_block_and_two_interleaved_reads_equal_separate_ones(bb):
+    """ingest_steps yields 0 after tokenising, then the tokens read after each block, and returns
+    ingest's result; a NoteBank read and a plain read stepped in alternation (what the overhead
+    benchmark's interleaved mode does) give the results each gives alone, bit for bit."""
+    from nbcore.reader import ingest_steps
+
+    alone_nb = ingest(bb, TEXT, SMALL, block_size=SMALL_BLOCK)
+    alone_plain = ingest(bb, TEXT, SMALL, block_size=SMALL_BLOCK, write=False)
+    T = alone_nb.n_tokens
+    steps = {"nb": ingest_steps(bb, TEXT, SMALL, block_size=SMALL_BLOCK),
+             "plain": ingest_steps(bb, TEXT, SMALL, block_size=SMALL_BLOCK, write=False)}
+    seen, out = {k: [] for k in steps}, {}
+    while steps:
+        for k in list(steps):
+            try:
+                seen[k].append(next(steps[k]))
+            except StopIteration as done:
+                out[k] = done.value
+                del steps[k]
+    want = [0, *range(SMALL_BLOCK, T, SMALL_BLOCK), T]
+    assert seen["nb"] == seen["plain"] == want
+    _assert_bit_identical(bb, out["nb"], alone_nb)
+    assert out["nb"].archive.token_ids and all(
+        np.array_equal(a, b) for a, b in zip(out["nb"].archive.token_ids, alone_nb.archive.token_ids))
+    st_a, st_b = bb.state_to_tensors(out["plain"].state), bb.state_to_tensors(alone_plain.state)
+    assert all(torch.equal(st_a[k], st_b[k]) for k in st_a)
+    assert len(out["plain"].archive) == 0
+    with pytest.raises(ValueError, match="empty document"):   # checked at the first step, before any block
+        next(ingest_steps(bb, token_ids=[], cfg=SMALL))

@@ -150,6 +150,29 @@ def test_overhead_times_text_with_sentences(tmp_path):
         overhead.parse_len("12Q")
 
 
+def test_overhead_interleaved_mode_times_each_method_on_its_own_steps(tmp_path):
+    """--interleave block: the two runs stepped block by block give what separate runs give (same
+    archive, same answers), and each method's total is the sum of its own stages, not the pair's."""
+    from pathlib import Path
+    from nbcore import NoteBankConfig, load_backbone
+    bb = load_backbone(str(Path(__file__).resolve().parents[1] / "models" / "tiny-gdn"))
+    cfg = NoteBankConfig()
+    text, question = overhead.make_text_input(bb, 3000)
+    alone = {m: overhead.run_text(bb, text, question, m, cfg, 3, 1024) for m in overhead.METHODS}
+    for first in (0, 1):
+        pair = overhead.run_interleaved(bb, text, question, cfg, 3, 1024, first=first)
+        for m in overhead.METHODS:
+            got, want = pair[m], alone[m]
+            for k in ("n_tokens", "n_notes", "archived_tokens", "archive_bytes", "answer"):
+                assert got[k] == want[k], (m, k)
+            parts = got["tokenize_s"] + got["prefill_s"] + got["write_s"] + got["probe_s"] + got["route_s"] \
+                + got["replay_generate_s"]
+            assert parts <= got["total_s"] <= parts + 0.5 * got["total_s"], (m, parts, got["total_s"])
+    assert pair["notebank"]["n_notes"] > 1 and pair["plain"]["n_notes"] == 0 and pair["plain"]["write_s"] == 0
+    with pytest.raises(ValueError, match="interleave"):
+        overhead.bench(bb, ["1K"], cfg, interleave="steps")
+
+
 def test_capture_kernel_bench_checks_and_times_both_paths():
     """bench/capture_kernel.py: outputs checked against the torch reference, then both paths timed."""
     from bench import capture_kernel
