@@ -134,8 +134,20 @@ def _words3(text: str) -> set:
     return {tuple(w[i:i + 3]) for i in range(len(w) - 2)}
 
 
+def _heldout_trigrams() -> set:
+    """Every word trigram of the HELD-OUT templates: a TRAIN-side family sharing one is dropped."""
+    return set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
+
+
+def _word_sampler(rng: random.Random, vocab: tuple[str, ...]):
+    """-> words(lo, hi): between lo and hi words drawn from vocab with rng."""
+    def words(lo: int, hi: int) -> list[str]:
+        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+    return words
+
+
 def _varied_phrasings(n: int = 600, seed: int = 0) -> tuple[Phrasing, ...]:
-    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
+    held = _heldout_trigrams()
     rng = random.Random(f"varied-phrasings|{seed}")
     out, seen = [], set()
     while len(out) < n:
@@ -169,12 +181,9 @@ def _prose_vocabulary(n: int = 2000) -> tuple[str, ...]:
 
 
 def _random_phrasings(n: int = 1000, seed: int = 0) -> tuple[Phrasing, ...]:
-    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
-    vocab = _prose_vocabulary()
+    held = _heldout_trigrams()
     rng = random.Random(f"random-phrasings|{seed}")
-
-    def words(lo: int, hi: int) -> list[str]:
-        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+    words = _word_sampler(rng, _prose_vocabulary())
 
     def sentence(parts: list[str], end: str) -> str:
         text = " ".join(p for p in parts if p)
@@ -206,12 +215,9 @@ RANDOM_PHRASINGS: tuple[Phrasing, ...] = _random_phrasings()
 # needle's verb ("... should dial {value}" / "To return {key}, dial"); RULER's and the fixed TRAIN
 # families' do so in one template each. Same trigram filter against the HELD-OUT templates.
 def _echo_phrasings(n: int = 1000, seed: int = 0) -> tuple[Phrasing, ...]:
-    held = set().union(*(_words3(t) for f in HELDOUT_PHRASINGS for t in (f.needle, f.question, f.prefix)))
-    vocab = _prose_vocabulary()
+    held = _heldout_trigrams()
     rng = random.Random(f"echo-phrasings|{seed}")
-
-    def words(lo: int, hi: int) -> list[str]:
-        return [rng.choice(vocab) for _ in range(rng.randint(lo, hi))]
+    words = _word_sampler(rng, _prose_vocabulary())
 
     out: list[Phrasing] = []
     while len(out) < n:
