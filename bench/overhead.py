@@ -14,6 +14,9 @@ one warm-up pair runs at the first length. The archive's bytes are reported besi
 
     .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K,256K --reps 3 \\
         --out bench/results/overhead-cpu.json
+    # on a noisy host: the two methods stepped block by block (two such 31-pair runs agreed within a point)
+    .venv/bin/python bench/overhead.py --lengths 64K,256K --reps 31 --threads 1 --interleave block \\
+        --out bench/results/overhead-cpu-interleaved.json
     # --allocator default: glibc's malloc thresholds instead of the CPU workers' (pipeline/allocator.py)
     # + a random-init GDN-1.3B-shaped model (qwen3_5 GDN layers, fp32) at a small length:
     .venv/bin/python bench/overhead.py --model models/tiny-gdn-v5 --lengths 64K --gdn13b-lengths 1K
