@@ -203,8 +203,9 @@ PHASES["phrasings-random"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TR
                                + ("phrased_niah_random", "phrased_multikey_random") * 3, 2.0, 1.0)]
 
 # echo wording (nbcore/tasks/phrased.py ECHO_PHRASINGS: random words, the answer prefix ending with the
-# words written right before the value) three times as often as the varied and random mix: induction
-# ("copy what followed the words just read"), not a template, carries to a prefix that repeats its needle
+# words written right before the value) three times as often as the varied and random mix. Hypothesis:
+# induction ("copy what followed the words just read") would carry to held-out prefixes that repeat their
+# needle's words. Tried as tiny-gdn-v11 (55 min): not learned (bench/results/phrasings/README.md)
 PHASES["phrasings-echo"] = [(96, 2048, PHASES["uuid"][0][2] + phrased.FIXED_TRAIN_TASKS
                              + ("phrased_niah_varied", "phrased_multikey_varied")
                              + ("phrased_niah_random", "phrased_multikey_random")
