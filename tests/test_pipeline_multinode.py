@@ -1,0 +1,246 @@
+"""Ingest on a real 2-node Ray cluster, with the worker node lost mid-run.
+
+The head is started the README's way (`python jobs/cluster.py head`: token authentication on), a
+second node joins it with `python jobs/cluster.py worker` (its own ports, the same token), both on
+this machine, in a temporary HOME and Ray temp dir. A driver process connects with `ray.address`
+and ingests a small corpus with the shipped tiny GDN and two ingest actors, one per node (the head
+offers 2 CPUs, the worker node 1, each actor takes 1, and Ray Data spreads its actors). At the
+worker node's first committed group its raylet is SIGKILLed: the node, its actor and its objects
+are gone. Ray Data restarts the actor on the head's spare CPU and redoes the lost batches there.
+Every document must then be in the archive exactly once, and the notes, documents and state files
+must be byte-identical to a single-node run of the same corpus (the archive is deterministic).
+The cluster is stopped by its own processes (`jobs/cluster.py stop`), never by `ray stop`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.dataset as pds
+import pytest
+
+from conftest import REPO, TINY_NB, write_jsonl
+from nbcore.testing import needle_text
+from test_cluster_auth import CLI, _alive, _clean_env, _free_port, _ports_args, _with_marker
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"path": str(REPO / "models" / "tiny-gdn-v5"), "device": "cpu"}   # absolute: workers run elsewhere
+N_DOCS = 12
+RUNS = Path(os.environ.get("NB_TEST_LOG_DIR", "/nonexistent"))    # keep the driver's output there, if set
+
+# The driver: the project's ingest on an existing cluster, every row's record appended to a file as it
+# arrives (with the pid of the actor that wrote it), then the summary and the cluster's live nodes.
+DRIVER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import ray, ray.data
+from notebank.pipeline.config import build
+from notebank.pipeline.ingest import IngestJobConfig, run_ingest
+from notebank.pipeline.pool import init_ray
+cfg = build(IngestJobConfig, json.loads(sys.argv[2])).validate()
+init_ray(cfg.ray)
+# Start ingesting only when every actor of the pool is up: on a busy machine one actor can take a
+# minute longer to import torch than the other, and would then get no group at all.
+ray.data.DataContext.get_current().wait_for_min_actors_s = 600
+def alive():
+    return sorted(n["NodeManagerPort"] for n in ray.nodes() if n["Alive"])
+def ingest(cfg, records):
+    print("NODES " + json.dumps(alive()), flush=True)
+    with open(records, "a") as log:
+        def on_commit(rec):
+            log.write(json.dumps({"doc_id": rec["doc_id"], "group": rec["group"], "status": rec["status"],
+                                  "pid": int(rec["pid"]), "t": time.time()}) + "\n")
+            log.flush()
+        summary = run_ingest(cfg, on_commit=on_commit)
+    summary.pop("failures", None)
+    print("SUMMARY " + json.dumps(summary), flush=True)
+ingest(cfg, sys.argv[3])
+# the reference: the same corpus into another output with one actor, on what is left of the cluster
+ref = build(IngestJobConfig, {**json.loads(sys.argv[2]), "output": sys.argv[4],
+                              "actors": {**json.loads(sys.argv[2])["actors"], "num_actors": 1}}).validate()
+ingest(ref, sys.argv[5])
+"""
+
+
+def _docs() -> list[dict]:
+    return [{"doc_id": f"m{i:02d}", "text": needle_text(1200 + 61 * i, 2, seed=100 + i)[0]} for i in range(N_DOCS)]
+
+
+def _data_files(root: Path) -> dict[str, bytes]:
+    """Every data file (notes, documents, states) by relative path: what must be byte-identical."""
+    return {str(p.relative_to(root)): p.read_bytes() for sub in ("notes", "documents", "state")
+            for p in sorted((root / sub).rglob("*")) if p.is_file()}
+
+
+def _raylet(pids: list[int], node_manager_port: int | None = None) -> int:
+    import psutil
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.name() == "raylet" and (node_manager_port is None or
+                                         f"--node_manager_port={node_manager_port}" in p.cmdline()):
+                return pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no raylet among {pids}")
+
+
+def _under(pid: int, ancestor: int) -> bool:
+    import psutil
+    try:
+        return any(a.pid == ancestor for a in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+def _auth_mode(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    v = env.get(b"RAY_AUTH_MODE")
+    return v.decode() if v is not None else None
+
+
+def _start(args: list[str], env: dict) -> dict:
+    """`jobs/cluster.py head|worker ARGS`, once more if Ray's fixed 30 s wait for the new raylet to register
+    ran out (a loaded machine; the failed start was cleaned up by the command). Returns its JSON line."""
+    for attempt in (1, 2):
+        r = subprocess.run(CLI + args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0 or attempt == 2 or "timed out during startup" not in r.stderr:
+            break
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A token-auth head (2 CPUs) and a worker node (1 CPU) on free ports, stopped by their own pids."""
+    from notebank.pipeline import cluster
+    tmp = Path(tempfile.mkdtemp(prefix="nbmn-", dir="/tmp"))   # short: Ray's unix socket paths must fit
+    home = tmp / "home"
+    home.mkdir()
+    # PYTHONPATH: the cluster's workers import this checkout (not whatever the venv's editable install maps)
+    env = dict(_clean_env(home, tmp), PYTHONPATH=str(REPO))
+    # The GCS declares a node dead after this many failed health checks this far apart (Ray's defaults,
+    # 5 x 3 s, took ~35 s on a busy machine). A SIGKILLed raylet refuses the check at once; a live but
+    # slow one still has the default 10 s per check to answer.
+    env.update(RAY_health_check_period_ms="2000", RAY_health_check_failure_threshold="5")
+    # Ray renices its workers by +15 (to 19 under a `nice -n 10` test run): on a loaded machine they then
+    # starve (minutes to import torch). Here they run at the test's own priority.
+    env["RAY_worker_niceness"] = "0"
+    state = tmp / "head.json"
+    any_python = [] if cluster.in_project_venv() else ["--any-python"]
+    t0 = time.time()
+    try:
+        head = _start(["head", "--port", str(_free_port()), "--dashboard-port", str(_free_port()), "--num-cpus", "2",
+                       "--temp-dir", str(tmp / "r"), "--state", str(state)] + any_python + ["--"] + _ports_args(), env)
+        nm_port = _free_port()
+        worker = _start(["worker", "--state", str(state), "--num-cpus", "1", "--node-manager-port", str(nm_port),
+                         "--object-manager-port", str(_free_port())] + any_python + ["--"]
+                        + [a for a in _ports_args() if not a.startswith("--ray-client-server-port")], env)
+        yield dict(head=head, worker=worker, env=env, tmp=tmp, state=state, nm_port=nm_port,
+                   start_s=time.time() - t0)
+    finally:
+        # both nodes by their own processes (the state file records the worker node's too), never `ray stop`
+        cid = json.loads(state.read_text())["cluster_id"] if state.exists() else None
+        if cid:
+            r = subprocess.run(CLI + ["stop", "--state", str(state), "--grace", "3"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cid:
+            assert r.returncode == 0, r.stderr
+            assert _with_marker(cid) == [], "processes of the stopped cluster are still running"
+
+
+def _tagged(out: str, tag: str) -> list:
+    return [json.loads(ln[len(tag) + 1:]) for ln in out.splitlines() if ln.startswith(tag + " ")]
+
+
+def test_worker_node_lost_mid_ingest_every_document_once_and_identical(two_nodes):
+    cl, t_test = two_nodes, time.time()
+    tmp = cl["tmp"]
+    head_raylet, worker_raylet = _raylet(cl["head"]["pids"]), _raylet(cl["worker"]["pids"], cl["nm_port"])
+    # token authentication is on for both nodes (their raylets and every process they start)
+    assert _auth_mode(head_raylet) == "token" and _auth_mode(worker_raylet) == "token"
+    assert cl["worker"]["address"] == cl["head"]["address"]
+
+    docs = _docs()
+    corpus = write_jsonl(tmp / "corpus" / "c.jsonl", docs)
+    out, ref = tmp / "out", tmp / "ref"
+    cfg = {"corpus": str(corpus), "output": str(out), "model": MODEL, "notebank": TINY_NB, "block_size": 512,
+           "docs_per_group": 1, "progress": False, "ray": {"address": cl["head"]["address"]},
+           "actors": {"num_actors": 2, "num_cpus": 1, "torch_threads": 1}}
+    records = tmp / "records.jsonl"
+    script = tmp / "driver.py"
+    script.write_text(DRIVER)
+    # a driver process outside the repository (paths are absolute), connected with ray.address
+    proc = subprocess.Popen([sys.executable, str(script), str(REPO), json.dumps(cfg), str(records), str(ref),
+                             str(tmp / "ref.jsonl")], env=dict(cl["env"], RAY_AUTH_MODE="token"), cwd=str(tmp),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, node_of, kill_at = 0, {}, None      # node_of: pid -> "head" / "worker" (resolved while it lives)
+    deadline = time.time() + 480
+    try:
+        while proc.poll() is None and time.time() < deadline:
+            lines = records.read_text().splitlines() if records.exists() else []
+            for ln in lines[seen:]:
+                rec = json.loads(ln)
+                pid = rec["pid"]
+                if pid not in node_of:
+                    node_of[pid] = ("worker" if _under(pid, worker_raylet) else
+                                    "head" if _under(pid, head_raylet) else "gone")
+                if kill_at is None and node_of[pid] == "worker" and rec["status"] == "ok":
+                    os.kill(worker_raylet, signal.SIGKILL)      # the worker node fails mid-run
+                    kill_at = {"t": time.time(), "records": len(lines),
+                               "commits": len(list((out / "manifest" / "commits").glob("*.json")))}
+            seen = len(lines)
+            time.sleep(0.05)
+        text = proc.communicate(timeout=max(1, deadline - time.time()))[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text = proc.communicate()[0]
+        pytest.fail(f"the driver did not finish within 480 s:\n{text[-4000:]}")
+    t_end = time.time()
+    (RUNS / "driver.log").write_text(text) if RUNS.is_dir() else None
+    assert proc.returncode == 0, text[-4000:]
+    assert kill_at is not None, f"no record from the worker node's actor: {node_of}\n{text[-3000:]}"
+    assert kill_at["commits"] < N_DOCS, "the worker node must be lost mid-run"
+    nodes, summaries = _tagged(text, "NODES"), _tagged(text, "SUMMARY")
+    assert len(nodes) == len(summaries) == 2, text[-4000:]
+    assert len(nodes[0]) == 2 and cl["nm_port"] in nodes[0]   # both nodes alive at the start ...
+    assert nodes[1] == [p for p in nodes[0] if p != cl["nm_port"]]   # ... the reference ran on the head alone
+    assert summaries[0]["docs_failed"] == 0 and summaries[0]["docs_ok"] >= N_DOCS, summaries[0]
+    assert summaries[1]["docs_ok"] == N_DOCS and summaries[1]["docs_failed"] == 0, summaries[1]
+
+    recs = [json.loads(ln) for ln in records.read_text().splitlines()]
+    after = [r for r in recs if r["t"] > kill_at["t"]]
+    # Both nodes wrote, and the head went on after the loss (the worker node's actor may still deliver
+    # the group it was finishing: its result goes straight to the driver, not through the raylet).
+    assert {node_of.get(r["pid"]) for r in recs} == {"head", "worker"}, node_of
+    assert "head" in {node_of[r["pid"]] for r in after}, (after, node_of)
+    worker_pids = {pid for pid, n in node_of.items() if n == "worker"}
+    assert not [pid for pid in worker_pids if _alive(pid)], "the worker node's actor outlived its raylet"
+    # every document exactly once, committed; no temporaries left
+    rows = pds.dataset(str(out / "documents"), format="parquet").to_table().to_pylist()
+    assert sorted(r["doc_id"] for r in rows) == [d["doc_id"] for d in docs]
+    assert {r["status"] for r in rows} == {"ok"}
+    assert len(list((out / "manifest" / "commits").glob("*.json"))) == N_DOCS
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    # the same bytes as the single-node run
+    got, want = _data_files(out), _data_files(ref)
+    assert sorted(got) == sorted(want) and len(got) > 2 * N_DOCS
+    assert [k for k in got if got[k] != want[k]] == []
+    by_node = {n: sorted({r["group"][-2:] for r in recs if node_of.get(r["pid"]) == n}) for n in ("head", "worker")}
+    retried = text.count("will be retried")       # Ray's line for each actor task resubmitted after the loss
+    t_rec = [r["t"] for r in recs]
+    print(f"\nphases: first record {t_rec[0] - t_test:.1f} s, kill {kill_at['t'] - t_test:.1f} s, last record "
+          f"{t_rec[-1] - t_test:.1f} s, driver done (reference included) {t_end - t_test:.1f} s")
+    print(f"cluster start {cl['start_s']:.1f} s, test {time.time() - t_test:.1f} s; worker node lost after "
+          f"{kill_at['commits']} of {N_DOCS} commits; groups by node {by_node}; {len(after)} records after the loss; "
+          f"{retried} task retries logged")
