@@ -534,7 +534,15 @@ def start_worker(args) -> dict:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def new_procs():
-        return [p for p in cluster_processes(state) if p.pid not in old and p.pid != proc.pid]
+        """This node's processes: the cluster's new ones, less those the head's processes started meanwhile."""
+        out = []
+        for p in cluster_processes(state):
+            try:
+                if p.pid not in old and p.pid != proc.pid and not {a.pid for a in p.parents()} & old:
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
 
     def fail(msg: str):
         try:
