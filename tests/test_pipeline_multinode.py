@@ -29,15 +29,17 @@ import pytest
 from conftest import REPO, TINY_NB, write_jsonl
 from nbcore.testing import needle_text
 from test_cluster_auth import CLI, _alive, _clean_env, _free_port, _ports_args, _with_marker
+from test_pipeline_ingest import data_files
 
 pytestmark = pytest.mark.slow
 
 MODEL = {"path": str(REPO / "models" / "tiny-gdn-v5"), "device": "cpu"}   # absolute: workers run elsewhere
 N_DOCS = 12
-RUNS = Path(os.environ.get("NB_TEST_LOG_DIR", "/nonexistent"))    # keep the driver's output there, if set
+LOG_DIR = os.environ.get("NB_TEST_LOG_DIR")     # if set, the driver's output is kept there (driver.log)
 
 # The driver: the project's ingest on an existing cluster, every row's record appended to a file as it
-# arrives (with the pid of the actor that wrote it), then the summary and the cluster's live nodes.
+# arrives (with the pid of the actor that wrote it), then the reference run; before each run the live
+# nodes (by node-manager port), after it the summary.
 DRIVER = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -72,12 +74,6 @@ ingest(ref, sys.argv[5])
 
 def _docs() -> list[dict]:
     return [{"doc_id": f"m{i:02d}", "text": needle_text(1200 + 61 * i, 2, seed=100 + i)[0]} for i in range(N_DOCS)]
-
-
-def _data_files(root: Path) -> dict[str, bytes]:
-    """Every data file (notes, documents, states) by relative path: what must be byte-identical."""
-    return {str(p.relative_to(root)): p.read_bytes() for sub in ("notes", "documents", "state")
-            for p in sorted((root / sub).rglob("*")) if p.is_file()}
 
 
 def _raylet(pids: list[int], node_manager_port: int | None = None) -> int:
@@ -212,8 +208,8 @@ def test_worker_node_lost_mid_ingest_every_document_once_and_identical(two_nodes
         text = proc.communicate()[0]
         pytest.fail(f"the driver did not finish within 480 s:\n{text[-4000:]}")
     t_end = time.time()
-    if RUNS.is_dir():
-        (RUNS / "driver.log").write_text(text)
+    if LOG_DIR:
+        Path(LOG_DIR, "driver.log").write_text(text)
     assert proc.returncode == 0, text[-4000:]
     assert kill_at is not None, f"no record from the worker node's actor: {node_of}\n{text[-3000:]}"
     assert kill_at["commits"] < N_DOCS, "the worker node must be lost mid-run"
@@ -244,7 +240,7 @@ def test_worker_node_lost_mid_ingest_every_document_once_and_identical(two_nodes
     assert len(list((out / "manifest" / "commits").glob("*.json"))) == N_DOCS
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
     # the same bytes as the single-node run
-    got, want = _data_files(out), _data_files(ref)
+    got, want = data_files(out), data_files(ref)
     assert sorted(got) == sorted(want) and len(got) > 2 * N_DOCS
     assert [k for k in got if got[k] != want[k]] == []
     by_pid = {f"{writers[pid]} {pid}": sorted(r["group"][-2:] for r in recs if r["pid"] == pid) for pid in writers}
