@@ -139,11 +139,14 @@ def two_nodes():
     while worker_ports[-2] == head_ports[-2]:         # each node its own worker-port range
         worker_ports = [a for a in _ports_args() if not a.startswith("--ray-client-server-port")]   # head only
     try:
+        # every node on loopback: the test's traffic (and the raylet it kills) never leaves 127.0.0.1
         head = _start(["head", "--port", str(_free_port()), "--dashboard-port", str(_free_port()), "--num-cpus", "2",
+                       "--node-ip-address", "127.0.0.1",
                        "--temp-dir", str(tmp / "r"), "--state", str(state)] + any_python + ["--"] + head_ports, env)
         nm_port = _free_port()
         worker = _start(["worker", "--state", str(state), "--num-cpus", "1", "--node-manager-port", str(nm_port),
-                         "--object-manager-port", str(_free_port())] + any_python + ["--"] + worker_ports, env)
+                         "--object-manager-port", str(_free_port())] + any_python
+                        + ["--", "--node-ip-address=127.0.0.1"] + worker_ports, env)
         yield dict(head=head, worker=worker, env=env, tmp=tmp, state=state, nm_port=nm_port,
                    start_s=time.time() - t0)
     finally:
