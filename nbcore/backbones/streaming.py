@@ -199,6 +199,17 @@ class StreamingBackbone(Backbone):
             m = self._base_model()
             return m.lm_head(m.model.norm(h[-1:]))[0].float()
 
+    @torch.no_grad()
+    def forward_hidden(self, state: BackboneState, ids: torch.Tensor) -> torch.Tensor:
+        """Advance `state` over ids [T] like `forward`; -> the final-normed hidden state of every
+        position [T, hidden] (lm_head of row t = logits after token t; bench/streaming_ppl.py)."""
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"ids must be a non-empty 1-D [T], got shape {tuple(ids.shape)}")
+        ids = ids.to(self.device)
+        with self._adapter_ctx():
+            hs = [self._piece(state, ids[a:a + PIECE], None) for a in range(0, ids.numel(), PIECE)]
+        return self._base_model().model.norm(torch.cat(hs))
+
     def _piece(self, state: BackboneState, ids: torch.Tensor, tap) -> torch.Tensor:
         """One piece, all layers; updates the cache. -> final hidden states [n, hidden]."""
         c: StreamingCache = state.cache
