@@ -18,6 +18,8 @@ the reset; append == ingest(parts); the memory backend's files round trip.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -282,3 +284,40 @@ def test_memory_backend_files_round_trip(nbb):
         a = backend.answer(mem, "What is it?", read)
         b = backend.answer(back, "What is it?", read)
         assert (a["answer"], a["retrieved"], a["token_ids"]) == (b["answer"], b["retrieved"], b["token_ids"])
+
+
+def test_forward_hidden_rows_are_the_logits(bb):
+    ids = _ids(40, seed=14)
+    st = bb.new_state()
+    h = bb.forward_hidden(st, ids)
+    last = bb.forward(bb.new_state(), ids)
+    assert h.shape == (40, 64) and st.n_tokens == 40
+    assert (bb.model.lm_head(h[-1]).float() - last).abs().max() < ATOL
+
+
+def test_sweep_runner_on_a_tiny_streaming_model(tmp_path):
+    """A RULER config whose model is a (random) Llama with `streaming:` options, run by the Ray-free
+    runner: the cells land where jobs/evaluate.py puts them, a rerun skips them, the summary reads them."""
+    import json
+
+    import pandas as pd
+
+    from bench.streaming_summary import main as summary
+    from bench.streaming_sweep import main as sweep
+    model = {"hf_config": {"model_type": "llama", "vocab_size": 262, "hidden_size": 64, "intermediate_size": 128,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                           "max_position_embeddings": 2048, "tie_word_embeddings": True, "bos_token_id": 1,
+                           "eos_token_id": 2, "pad_token_id": 0},
+             "tokenizer": "byte", "device": "cpu", "streaming": {"sinks": 4, "window": 128}}
+    args = ["-c", str(Path(__file__).resolve().parents[1] / "configs" / "eval_streaming_smollm2.yaml"),
+            "--set", f"output={tmp_path}/ruler",
+            "--set", f"backbones=[{{name: rand-stream, model: {json.dumps(model)}, notebank: {{chunk_size: 256}}}}]",
+            "--set", "tasks=[niah_single_2]", "--set", "lengths=[1K]", "--set", "n_examples=1",
+            "--set", "methods=[plain, nb-tf-top2-reset, nb-oracle-top2]", "--set", "max_new_tokens=2"]
+    res = sweep(args)
+    assert len(res) == 1 and res[0]["error"] is None
+    rows = pd.read_parquet(res[0]["path"])
+    assert list(rows.method) == ["plain", "nb-tf-top2-reset", "nb-oracle-top2"] and (rows.n_notes > 0).all()
+    assert sweep(args) == []                                       # resumable: the finished cell is skipped
+    s = summary(["--ruler", f"{tmp_path}/ruler", "--out", str(tmp_path)])
+    assert set(s) == {f"rand-stream/{m}/niah_single_2/1K" for m in ("plain", "nb-tf-top2-reset", "nb-oracle-top2")}
