@@ -321,3 +321,18 @@ def test_sweep_runner_on_a_tiny_streaming_model(tmp_path):
     assert sweep(args) == []                                       # resumable: the finished cell is skipped
     s = summary(["--ruler", f"{tmp_path}/ruler", "--out", str(tmp_path)])
     assert set(s) == {f"rand-stream/{m}/niah_single_2/1K" for m in ("plain", "nb-tf-top2-reset", "nb-oracle-top2")}
+
+
+def test_ingest_over_several_pieces_per_block(nbb, monkeypatch):
+    """A block longer than PIECE reaches the tap as one call per layer per piece (chunk-aligned):
+    the archive equals the one written with a piece per block."""
+    from nbcore.reader import ingest
+    ref = ingest(nbb, TEXT, NB, block_size=256)
+    monkeypatch.setattr(streaming, "PIECE", 128)
+    nbb._rope = None                                   # the RoPE table is sized by PIECE
+    got = ingest(nbb, TEXT, NB, block_size=256)
+    nbb._rope = None
+    assert np.array_equal(ref.archive.starts, got.archive.starts)
+    assert all(np.array_equal(a, b) for a, b in zip(ref.archive.token_ids, got.archive.token_ids))
+    d = (ref.archive.addresses.float() - got.archive.addresses.float()).abs()
+    assert (d <= 2 ** -7 * ref.archive.addresses.float().abs() + 1e-6).all()
