@@ -43,6 +43,8 @@ class ModelSpec:
     device: str = "auto"                # auto (cuda if the actor has a GPU) | cpu | cuda
     adapter: str | None = None          # NB-LoRA read adapter (dir or fsspec URL from jobs/train_lora.py):
                                         # on for replay/question/answer only, off for writing and routing
+    streaming: dict | None = None       # {sinks, window}: Llama/Qwen2 checkpoints are read with attention
+                                        # sinks + a sliding window (nbcore.backbones.streaming; defaults there)
 
     def validate(self, where="model"):
         if (self.path is None) == (self.hf_config is None):
@@ -55,6 +57,12 @@ class ModelSpec:
             raise ConfigError(f"{where}.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{where}.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.streaming is not None:
+            if not isinstance(self.streaming, dict) or set(self.streaming) - {"sinks", "window"}:
+                raise ConfigError(f"{where}.streaming must be a table with keys sinks and/or window, "
+                                  f"got {self.streaming!r}")
+            if int(self.streaming.get("sinks", 0)) < 0 or int(self.streaming.get("window", 1)) < 1:
+                raise ConfigError(f"{where}.streaming: need sinks >= 0 and window >= 1, got {self.streaming!r}")
 
     def preflight(self, where="model"):
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
