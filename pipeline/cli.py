@@ -13,6 +13,7 @@ def parse(cls, description: str, argv=None, extra_args=()):
     import yaml
 
     from notebank.pipeline.config import ConfigError, add_config_args, keys_help, load_config, to_dict
+    from notebank.pipeline.safety import UnsafePath
     p = add_config_args(argparse.ArgumentParser(description=description, epilog=keys_help(cls),
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     for flags, kw in extra_args:
@@ -29,6 +30,9 @@ def parse(cls, description: str, argv=None, extra_args=()):
             cfg.preflight()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    except UnsafePath as e:             # an output that can be escaped, or lies inside an archive
+        print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     return cfg
 

@@ -259,7 +259,8 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
     fs, shard_paths = list_shards(cfg.corpus)                  # a bad corpus path fails here, first
     shards = [fs.unstrip_protocol(p) for p in shard_paths]
     store = Archive(cfg.output)
-    check_no_escape(cfg.output, ["manifest", "notes", "documents", "state", "_lease.json"])
+    from notebank.pipeline.ingest import OUTPUT_WRITES
+    check_no_escape(cfg.output, list(OUTPUT_WRITES))
     store.check_layout()
     with acquire_lease(cfg.output, _run_info("ingest")) as lease:
         lease.start_heartbeat()              # a background thread: the lease stays live on long jobs
@@ -435,6 +436,7 @@ def query_dataset(cfg) -> dict:
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
     check_no_escape(cfg.output, ["_lease.json"])
+    check_query_output(cfg.output, cfg.archive or None)
     fs, q_paths = list_shards(cfg.questions)
     qshards = [fs.unstrip_protocol(p) for p in q_paths]
     if cfg.onepass:
@@ -445,7 +447,6 @@ def query_dataset(cfg) -> dict:
         run = {"fingerprint": {"notebank": cfg.notebank.to_dict() if cfg.memory == "notebank" else None}}
     else:
         _require_shared_store(cfg.archive, "archive")
-        check_query_output(cfg.output, cfg.archive)
         store = Archive(cfg.archive)
         store.check_layout()
         run = store.read_run()

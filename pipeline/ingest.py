@@ -83,11 +83,19 @@ class IngestJobConfig:
         return self
 
     def preflight(self):
-        """Inputs exist: the corpus has shards, the checkpoint is there (no Ray, no model load)."""
+        """Before Ray starts or a model loads: the output folder cannot be escaped (no symlink or '..'
+        leaves it, at any depth: pipeline.safety.check_no_escape), the corpus has shards and the
+        checkpoint is there."""
+        from notebank.pipeline.safety import check_no_escape
+        check_no_escape(self.output, list(OUTPUT_WRITES))
         require_shards(self.corpus, "corpus")
         self.model.preflight()
         if self.mone_adapters:
             require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
+
+
+#: what an ingest writes under its output folder (checked by check_no_escape before anything is written)
+OUTPUT_WRITES = ("manifest", "notes", "documents", "state", "_lease.json")
 
 
 def sha256_text(text: str) -> str:

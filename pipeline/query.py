@@ -70,7 +70,12 @@ class QueryJobConfig:
         return self
 
     def preflight(self):
-        """Inputs exist: questions, the archive (or the one-pass corpus) and the checkpoint."""
+        """Before Ray starts or a model loads: the output cannot be escaped (pipeline.safety.
+        check_no_escape) and is not inside any ingest output (check_query_output); the questions,
+        the archive (or the one-pass corpus) and the checkpoint exist."""
+        from notebank.pipeline.safety import check_no_escape, check_query_output
+        check_no_escape(self.output, ["_lease.json"])
+        check_query_output(self.output, self.archive or None)
         require_shards(self.questions, "questions")
         if self.onepass:
             require_shards(self.corpus, "corpus")
