@@ -28,12 +28,12 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from notebank.pipeline.query import QueryJobConfig
+    from notebank.pipeline.query import QueryJobConfig, committed_in_store
     from notebank.pipeline.archive import FingerprintMismatch, LayoutError
     from notebank.pipeline.safety import OutputBusy, UnsafePath
     from notebank.pipeline.config import ConfigError
     USER_ERRORS = (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
-    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS)
+    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS, committed=committed_in_store)
 
 
 if __name__ == "__main__":

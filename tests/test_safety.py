@@ -373,7 +373,7 @@ def test_output_linked_outside_at_depth_exits_2_before_ray_or_model(tmp_path):
     assert str(out / "manifest" / "commits") in p.stderr and "symlink" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr                 # one line, no traceback
     assert not (tmp_path / "ray-tmp").exists() and "Ray" not in p.stderr + p.stdout
-    assert wall < 15 and list(outside.iterdir()) == [] and not (out / "_lease.json").exists()
+    assert wall < 60 and list(outside.iterdir()) == [] and not (out / "_lease.json").exists()
 
 
 def test_query_output_inside_unrelated_archive_exits_2_before_ray(tmp_path):
