@@ -212,6 +212,8 @@ def groups_to_retry(scans: list[dict], valid: dict, cfg) -> tuple[dict, list[str
             if cfg.limit is not None and n_rows >= cfg.limit:
                 break
             n_rows += 1
+            if sc["shard_error"]:
+                continue                      # a shard not readable to its end: its groups stay as committed
             gid = f"{slug}-{row // G:06d}"
             e = failed_at.get((gid, row))
             if e is None or err or doc_id is None or doc_key(doc_id)[1]:

@@ -134,3 +134,45 @@ def test_errors_from_ray_workers_are_recognised_by_their_traceback():
     assert "permission denied on /data/arc/state" in store_failure(RuntimeError(denied), cfg)
     assert store_failure(FileNotFoundError(errno.ENOENT, "nope", "/elsewhere/corpus.jsonl"), cfg) is None
     assert store_failure(ValueError("a bug"), cfg) is None
+
+
+@pytest.mark.slow
+def test_disk_full_in_the_ingest_actors_is_one_line_and_exit_1(tmp_path):
+    """The disk fills while the actors write states (their own processes, of the job's own local Ray):
+    the driver still ends with one line naming the state file, the summary, exit 1, and a rerun with
+    space again completes the archive."""
+    import subprocess
+    import sys
+    import textwrap
+    from conftest import REPO
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent('''
+        import errno, os
+        if os.environ.get("NB_TEST_ENOSPC"):
+            from fsspec.implementations.local import LocalFileSystem
+            _real = LocalFileSystem._open
+            def _open(self, path, mode="rb", *a, **kw):
+                if "w" in mode and os.environ["NB_TEST_ENOSPC"] in str(path):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                return _real(self, path, mode, *a, **kw)
+            LocalFileSystem._open = _open
+    '''))
+    write_jsonl(tmp_path / "corpus.jsonl", [{"doc_id": f"d{i}", "text": f"Document {i}. " * 40} for i in range(2)])
+    out = tmp_path / "out"
+    args = ingest_args(tmp_path / "corpus.jsonl", out) + ["--set", "actors.num_actors=1", "--set", "ray.num_cpus=2"]
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", NB_TEST_ENOSPC="/state/d1.",
+               RAY_TMPDIR=str(tmp_path / "ray"))
+    p = subprocess.run([sys.executable, "jobs/ingest.py", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=env)
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert len(errors) == 1 and "no space left writing" in errors[0] and "/state/d1." in errors[0], p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["status"] == "failed" and s["committed_docs"] == s["committed_groups"] <= 1, s
+    del env["NB_TEST_ENOSPC"]
+    p = subprocess.run([sys.executable, "jobs/ingest.py", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s2 = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s2["docs_ok"] + s2["docs_skipped"] == 2 and s2["docs_ok"] >= 1, s2
