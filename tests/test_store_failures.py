@@ -161,8 +161,9 @@ def test_disk_full_in_the_ingest_actors_is_one_line_and_exit_1(tmp_path):
     write_jsonl(tmp_path / "corpus.jsonl", [{"doc_id": f"d{i}", "text": f"Document {i}. " * 40} for i in range(2)])
     out = tmp_path / "out"
     args = ingest_args(tmp_path / "corpus.jsonl", out) + ["--set", "actors.num_actors=1", "--set", "ray.num_cpus=2"]
-    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", NB_TEST_ENOSPC="/state/d1.",
-               RAY_TMPDIR=str(tmp_path / "ray"))
+    import tempfile
+    ray_tmp = tempfile.mkdtemp(prefix="nbsf-", dir="/tmp")      # short: Ray's socket paths must fit 107 bytes
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", NB_TEST_ENOSPC="/state/d1.", RAY_TMPDIR=ray_tmp)
     p = subprocess.run([sys.executable, "jobs/ingest.py", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=env)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
@@ -176,3 +177,4 @@ def test_disk_full_in_the_ingest_actors_is_one_line_and_exit_1(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s2 = json.loads(p.stdout.strip().splitlines()[-1])
     assert s2["docs_ok"] + s2["docs_skipped"] == 2 and s2["docs_ok"] >= 1, s2
+    shutil.rmtree(ray_tmp, ignore_errors=True)
