@@ -137,6 +137,37 @@ def require_archive(url: str, key: str = "archive") -> None:
     require_input(url.rstrip("/") + "/manifest/_run.json", key, "ingest run record (is it an ingest output?)")
 
 
+#: config keys that may hold local paths: inputs (made absolute when they exist here) and outputs
+#: (always made absolute); pkg:, byte/project tokenizers and URLs are left as they are
+LOCAL_INPUT_KEYS = ("corpus", "questions", "archive", "mone_adapters", "model.path", "model.tokenizer",
+                    "model.adapter", "model.cache_dir")
+LOCAL_OUTPUT_KEYS = ("output", "workdir", "out", "run_dir")
+
+
+def absolutize_local_paths(cfg) -> list[str]:
+    """Make the local relative paths of a job config absolute, in place -> ["key=new path", ...].
+    For a job on an existing cluster (`ray.address`): its actors do not run in this folder."""
+    import os
+    changed = []
+    for key in LOCAL_INPUT_KEYS + LOCAL_OUTPUT_KEYS:
+        *parents, name = key.split(".")
+        obj = cfg
+        for p in parents:
+            obj = getattr(obj, p, None)
+        if obj is None or not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+            continue
+        val = getattr(obj, name)
+        if not isinstance(val, str) or not val or os.path.isabs(val) or "://" in val or val.startswith("pkg:") \
+                or val in ("byte", "project"):
+            continue
+        if key in LOCAL_INPUT_KEYS and not os.path.exists(val):
+            continue                        # not a local path (a name, a glob): left to the job's own checks
+        new = os.path.abspath(val)
+        setattr(obj, name, new)
+        changed.append(f"{key}={new}")
+    return changed
+
+
 @dataclass
 class RaySpec:
     address: str | None = None   # None: $RAY_ADDRESS if set (ray job submit sets it), else a new local Ray
