@@ -114,12 +114,23 @@ def tiny():
     return model.eval(), load_tokenizer(TINY)
 
 
-def test_diagnostics_equal_the_naive_ingest_path(tiny):
+def test_diagnostics_equal_the_naive_ingest_path(tiny, tmp_path, monkeypatch):
     """Cached frozen inputs + write chain == state.ingest + finalized + answer_nll, for own memory,
-    another example's memory (i reads i+1) and no memory."""
+    another example's memory (i reads i+1) and no memory; the inputs saved to disk give the same
+    result, and a file made for another batch is rebuilt."""
     model, tok = tiny
-    diag = tm.MemoryDiagnostics(model, tok, lengths=(300,), ns=(3,), seed=0, cache_dtype=torch.float32)
+    cache = tmp_path / "diag.safetensors"
+    diag = tm.MemoryDiagnostics(model, tok, lengths=(300,), ns=(3,), seed=0, cache_dtype=torch.float32,
+                                cache_file=cache)
     got = diag.evaluate(model)["300"]
+    with monkeypatch.context() as m:    # loaded, not recomputed
+        m.setattr(model, "segment_inputs", lambda *a: pytest.fail("frozen forward rerun"))
+        again = tm.MemoryDiagnostics(model, tok, lengths=(300,), ns=(3,), seed=0, cache_dtype=torch.float32,
+                                     cache_file=cache)
+    assert again.evaluate(model)["300"] == got
+    other = tm.MemoryDiagnostics(model, tok, lengths=(300,), ns=(2,), seed=0, cache_dtype=torch.float32,
+                                 cache_file=cache)
+    assert other.evaluate(model)["300"]["n"] == 2
     from nbcore.tasks import ruler
     exs = [ruler.generate("niah_single_1", 300, 1000 + i, tok, seed=0, split="test") for i in range(3)]
     ref = {"own_ce": [tm.answer_nll(model, tok, e, "mone") for e in exs],

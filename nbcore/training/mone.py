@@ -208,12 +208,16 @@ class MemoryDiagnostics:
     then the tail as one short segment)."""
 
     def __init__(self, model: MoNeModel, tok, lengths=(1024, 4096), ns=(8, 4), seed: int = 0,
-                 task: str = "niah_single_1", cache_dtype=torch.float16):
+                 task: str = "niah_single_1", cache_dtype=torch.float16, cache_file: str | Path | None = None):
         if len(lengths) != len(ns):
             raise ValueError(f"diag_lengths {list(lengths)} and diag_n {list(ns)} differ in length")
         if any(n < 2 for n in ns):
             raise ValueError("diag_n: need >= 2 examples per length (another example's memory)")
         self.T = model.cfg.segment_len
+        self.key = {"lengths": list(lengths), "ns": list(ns), "seed": seed, "task": task, "T": self.T,
+                    "dtype": str(cache_dtype), "layers": model.n_layers, "hidden": model.hidden}
+        if cache_file is not None and Path(cache_file).is_file() and self._load(Path(cache_file)):
+            return
         self.cells: dict[int, list[dict]] = {}
         for length, n in zip(lengths, ns):
             items = []
@@ -230,6 +234,40 @@ class MemoryDiagnostics:
                 xs = [[x.to(cache_dtype) for x in model.segment_inputs(p)] for p in parts]
                 items.append({"xs": xs, "q": torch.tensor([q]), "a0": a0})
             self.cells[length] = items
+        if cache_file is not None:
+            self._save(Path(cache_file))
+
+    def _save(self, path: Path) -> None:
+        """The frozen inputs (safetensors; metadata: what they were made for), so a resumed run
+        skips the frozen forward of the whole batch."""
+        from safetensors.torch import save_file
+        t = {}
+        for length, items in self.cells.items():
+            for i, it in enumerate(items):
+                t[f"{length}.{i}.q"] = it["q"]
+                t[f"{length}.{i}.a0"] = torch.tensor(it["a0"])
+                for j, xs in enumerate(it["xs"]):
+                    for l, x in enumerate(xs):
+                        t[f"{length}.{i}.p{j}.l{l}"] = x.contiguous()
+        tmp = path.with_suffix(".tmp")
+        save_file(t, str(tmp), metadata={"diagnostics": json.dumps(self.key)})
+        tmp.replace(path)
+
+    def _load(self, path: Path) -> bool:
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            if json.loads((f.metadata() or {}).get("diagnostics", "null")) != self.key:
+                return False     # made for another batch or model: rebuilt and overwritten
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        self.cells = {}
+        for length, n in zip(self.key["lengths"], self.key["ns"]):
+            items = []
+            for i in range(n):
+                parts = sorted({int(k.split(".")[2][1:]) for k in t if k.startswith(f"{length}.{i}.p")})
+                xs = [[t[f"{length}.{i}.p{j}.l{l}"] for l in range(self.key["layers"])] for j in parts]
+                items.append({"xs": xs, "q": t[f"{length}.{i}.q"], "a0": int(t[f"{length}.{i}.a0"])})
+            self.cells[length] = items
+        return True
 
     @torch.no_grad()
     def fast_weights(self, model: MoNeModel, item: dict):
@@ -307,7 +345,8 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     diag = None
     if tc.diag_every:
         t_d = time.time()
-        diag = MemoryDiagnostics(model, tok, tc.diag_lengths, tc.diag_n, seed=tc.seed)
+        diag = MemoryDiagnostics(model, tok, tc.diag_lengths, tc.diag_n, seed=tc.seed,
+                                 cache_file=run_dir / "diagnostics_inputs.safetensors")
         log(f"diagnostics batch prepared in {time.time() - t_d:.0f}s")
     budget = tc.minutes * 60
     t0 = time.time() - elapsed
