@@ -189,3 +189,22 @@ def test_centring_ablations_remove_the_segment_mean(tiny, flag):
         cos = lambda t: (l := mem.l2norm(t)) @ l.transpose(-1, -2)  # noqa: E731
         kh, k0h = k[0].transpose(0, 1), k0[0].transpose(0, 1)
         assert cos(kh).mean() < cos(k0h).mean()
+
+
+def test_answer_only_lm_head_equals_the_full_logits_loss(tiny):
+    """meta_loss (LM head on answer positions only) == meta_loss_reference: loss, gradients of every
+    MoNe parameter, and teacher-forced exact match."""
+    model, tok = tiny
+    tc = tm.MetaTrainConfig(tasks=("s_niah", "mk_niah"), curriculum=[
+        tm.CurriculumStage(steps=1, segment_len=32, min_segments=1, max_segments=2, batch_size=3)])
+    batch = tm.make_batch(0, tc, tok)[:4]
+    res = []
+    for fn in (tm.meta_loss, tm.meta_loss_reference):
+        model.zero_grad(set_to_none=True)
+        loss, em = fn(model, *batch)
+        loss.backward()
+        res.append((loss.item(), em, {n: p.grad.clone() for n, p in model.mone.named_parameters()}))
+    model.zero_grad(set_to_none=True)
+    assert res[0][0] == pytest.approx(res[1][0], rel=1e-5) and res[0][1] == res[1][1]
+    for n, g in res[0][2].items():
+        torch.testing.assert_close(g, res[1][2][n], rtol=1e-4, atol=1e-6, msg=n)

@@ -157,6 +157,22 @@ def make_batch(step: int, tc: MetaTrainConfig, tok):
 
 
 def meta_loss(model: MoNeModel, seg, msk, q_ids, ans):
+    """(mean answer-token CE, share of rows whose answer tokens are all argmax-correct). The LM head
+    (49K x 576 on SmolLM2, a fifth of the query pass) runs on the answer positions only;
+    ``meta_loss_reference`` is the full-logits form it is tested equal to."""
+    fast = model.write(model.fresh(seg.shape[0]), seg, msk)
+    h, _ = model._run(q_ids, torch.arange(q_ids.shape[1]), fast=fast)
+    a = ans[:, :-1]
+    logits = model.base.lm_head(h[:, :-1][a])          # [answer tokens, vocab]
+    tgt = q_ids[:, 1:][a]
+    loss = F.cross_entropy(logits, tgt) if len(tgt) else logits.sum() * 0
+    with torch.no_grad():
+        wrong = torch.zeros(a.shape[0], dtype=torch.long).index_add_(
+            0, a.nonzero()[:, 0], (logits.argmax(-1) != tgt).long())
+    return loss, (wrong == 0).float().mean().item()
+
+
+def meta_loss_reference(model: MoNeModel, seg, msk, q_ids, ans):
     fast = model.write(model.fresh(seg.shape[0]), seg, msk)
     logits = model.logits(q_ids, fast)[:, :-1]
     tgt = q_ids[:, 1:]
