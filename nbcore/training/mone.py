@@ -393,8 +393,8 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         if on_diagnostics is not None:
             on_diagnostics(model, meta(), history, diags)
 
-    if diag is not None and not any(d["step"] == step for d in diags):
-        run_diag()                      # the starting point (step 0, or where a resumed run left off)
+    if diag is not None and not diags:
+        run_diag()                      # the starting point (a resumed run keeps its diag_every grid)
     model.mone.train()
     while step < tc.max_steps and time.time() - t0 < budget:
         frac = max((time.time() - t0) / budget, step / tc.max_steps)
