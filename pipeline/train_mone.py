@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # glibc malloc without mmap/trim thresholds: RSS then follows live memory (the cost scan measures it)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 _MALLOC = MALLOC_ENV
-ACTIONS = ("train", "ray", "eval", "diagnostics", "cost")
+ACTIONS = ("train", "ray", "eval", "diagnostics", "cost", "export")
 
 
 @dataclass
@@ -41,13 +42,15 @@ class TrainMoneJobConfig:
     """jobs/train_mone.py"""
 
     action: str = "train"                        # train (plain loop) | ray (Ray Train, 1 worker) | eval |
-                                                 # diagnostics | cost
+                                                 # diagnostics | cost | export (the latest checkpoint's
+                                                 # adapters, history, curve and memory diagnostics -> out)
     base: str = "models/tiny-qwen2"              # frozen base (HF checkpoint dir with tokenizer, a .gguf file
                                                  # or pkg:<package>/<file>.gguf)
     out: str = "models/tiny-qwen2/mone"          # meta-trained MoNe parameters (safetensors + config)
     run_dir: str = "runs/mone"                   # checkpoint folder (rerun resumes)
     train: MetaTrainConfig = field(default_factory=MetaTrainConfig)   # meta-training (train.mone: MoNeConfig)
     eval: MoneEvalSpec = field(default_factory=MoneEvalSpec)
+    diagnostics_out: str = "bench/results/mone/diagnostics.json"   # memory diagnostics of the exported adapters
 
     def validate(self):
         if self.action not in ACTIONS:
@@ -56,6 +59,14 @@ class TrainMoneJobConfig:
             raise ConfigError("train: need 1 <= min_segments <= max_segments")
         if self.train.batch_size < 1 or self.train.max_steps < 0 or self.train.threads < 1:
             raise ConfigError("train: batch_size and threads must be >= 1, max_steps >= 0")
+        for i, st in enumerate(self.train.curriculum):
+            if st.steps < 1 or st.segment_len < 1 or st.batch_size < 1 or not 1 <= st.min_segments <= st.max_segments:
+                raise ConfigError(f"train.curriculum[{i}]: need steps, segment_len, batch_size >= 1 and "
+                                  f"1 <= min_segments <= max_segments, got {st}")
+        if len(self.train.diag_lengths) != len(self.train.diag_n) or any(n < 2 for n in self.train.diag_n):
+            raise ConfigError("train.diag_lengths and train.diag_n: one count (>= 2) per length")
+        if self.train.rate_lr_mult <= 0:
+            raise ConfigError("train.rate_lr_mult must be > 0")
         bad = [m for m in self.eval.methods if m not in ("mone", "icl", "rag")]
         if bad:
             raise ConfigError(f"eval.methods: unknown {bad}; use mone, icl, rag")
@@ -74,6 +85,10 @@ class TrainMoneJobConfig:
         elif not (base / "config.json").is_file():
             raise ConfigError(f"base: no checkpoint (config.json) at {self.base!r}")
         needs_mone = self.action in ("diagnostics", "cost") or (self.action == "eval" and "mone" in self.eval.methods)
+        if self.train.init_adapters and not (_abs(self.train.init_adapters) / "mone_adapters.safetensors").is_file():
+            raise ConfigError(f"train.init_adapters: no mone_adapters.safetensors in {self.train.init_adapters!r}")
+        if self.action == "export" and not (_abs(self.run_dir) / "ckpt.pt").is_file():
+            raise ConfigError(f"run_dir: no checkpoint at {self.run_dir!r}/ckpt.pt to export")
         if needs_mone and not _abs(self.out).is_dir():
             raise ConfigError(f"out: no MoNe parameters at {self.out!r} (train them first: action: train)")
 
@@ -82,14 +97,18 @@ def run(cfg: TrainMoneJobConfig):
     """Run the configured action; returns its JSON-able result."""
     d = to_dict(cfg)
     return {"train": train_plain, "ray": lambda c: str(train_ray(c)), "eval": run_eval,
-            "diagnostics": lambda c: run_diagnostics(c, cfg.eval.diagnostics_n), "cost": run_cost}[cfg.action](d)
+            "diagnostics": lambda c: run_diagnostics(c, cfg.eval.diagnostics_n), "cost": run_cost,
+            "export": export_checkpoint}[cfg.action](d)
 
 
 def _tc(cfg: dict):
     from nbcore.mone.model import MoNeConfig
-    from nbcore.training.mone import MetaTrainConfig
+    from nbcore.training.mone import CurriculumStage, MetaTrainConfig
     tr = dict(cfg["train"])
     tr["tasks"] = tuple(tr["tasks"])
+    tr["curriculum"] = [CurriculumStage(**st) for st in tr.get("curriculum", [])]
+    if tr.get("init_adapters"):
+        tr["init_adapters"] = str(_abs(tr["init_adapters"]))
     return MetaTrainConfig(**{**tr, "mone": MoNeConfig(**tr["mone"])})
 
 
@@ -102,40 +121,84 @@ def _abs(p: str) -> Path:
 
 def train_plain(cfg: dict) -> dict:
     from nbcore.training import mone as tm
-    meta = tm.train(_abs(cfg["base"]), _abs(cfg["out"]), _abs(cfg["run_dir"]), _tc(cfg),
-                    log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True))
-    write_curve(_abs(cfg["run_dir"]), _abs(cfg["out"]))
+    out, diag_out = _abs(cfg["out"]), _abs(cfg["diagnostics_out"])
+
+    def export(model, meta, history, diags):
+        model.save_adapters(out, meta)
+        write_exports(history, diags, out, diag_out)
+
+    meta = tm.train(_abs(cfg["base"]), out, _abs(cfg["run_dir"]), _tc(cfg),
+                    log=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True), on_diagnostics=export)
+    hist = json.loads((_abs(cfg["run_dir"]) / "history.json").read_text())
+    write_exports(hist["train"], hist["diagnostics"], out, diag_out)
     return meta
 
 
-def write_curve(run_dir: Path, out: Path) -> Path | None:
-    """<out>/history.json and <out>/training_curve.png: the meta-training loss (EMA of the answer-token
-    CE, nats) and teacher-forced exact match against steps and wall minutes. None when no history."""
-    hist_path = Path(run_dir) / "history.json"
-    if not hist_path.is_file():
-        return None
-    hist = json.loads(hist_path.read_text())
-    if not hist:
-        return None
-    out = Path(out)
+def export_checkpoint(cfg: dict) -> dict:
+    """The latest checkpoint's MoNe parameters, history, curve and last memory diagnostics -> ``out``
+    and ``diagnostics_out`` (what a running or finished training has reached; no model is loaded)."""
+    run_dir = _abs(cfg["run_dir"])
+    adapters = run_dir / "adapters"
+    out, diag_out = _abs(cfg["out"]), _abs(cfg["diagnostics_out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "history.json").write_text(json.dumps(hist, indent=0) + "\n")
+    for name in ("mone_adapters.safetensors", "mone_config.json"):
+        tmp = out / (name + ".tmp")
+        shutil.copyfile(adapters / name, tmp)
+        tmp.replace(out / name)
+    hist = json.loads((run_dir / "history.json").read_text())
+    write_exports(hist["train"], hist["diagnostics"], out, diag_out)
+    return {"steps": json.loads((out / "mone_config.json").read_text()).get("steps"),
+            "diagnostics": hist["diagnostics"][-1] if hist["diagnostics"] else None}
+
+
+def write_exports(history: list, diags: list, out: Path, diag_out: Path) -> None:
+    """<out>/history.json, <out>/training_curve.png and, when diagnostics ran, ``diag_out``: the last
+    diagnostics record (that of the adapters exported with it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "history.json").write_text(json.dumps({"train": history, "diagnostics": diags}, indent=0) + "\n")
+    if history or diags:
+        write_curve(history, diags, out / "training_curve.png")
+    if diags:
+        last = diags[-1]
+        lengths = {k: v for k, v in last.items() if k.isdigit()}
+        diag_out.parent.mkdir(parents=True, exist_ok=True)
+        diag_out.write_text(json.dumps({**lengths, "step": last["step"], "wall_s": last["t"],
+                                        "what": "teacher-forced answer CE (nats/token, answer + EOS) on a "
+                                                "fixed held-out S-NIAH batch: own memory, another "
+                                                "example's memory, no memory"}, indent=1) + "\n")
+
+
+def write_curve(history: list, diags: list, path: Path) -> Path:
+    """Meta-training loss (EMA of the answer-token CE) and, per diagnostics length, the held-out answer
+    CE with own / other / no memory, against steps; dotted lines mark curriculum stage changes."""
     from notebank.pipeline.reporting.common import pyplot, save_figure
     plt = pyplot()
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    steps = [h["step"] for h in hist]
-    ax[0].plot(steps, [h["loss"] for h in hist], color="C0")
+    lengths = sorted({k for d in diags for k in d if k.isdigit()}, key=int)
+    fig, ax = plt.subplots(1, 1 + len(lengths), figsize=(4.2 * (1 + len(lengths)), 3.4), squeeze=False)
+    ax = ax[0]
+    changes = [h["step"] for a, h in zip(history, history[1:]) if a.get("stage") != h.get("stage")]
+    if history:
+        steps = [h["step"] for h in history]
+        ax[0].plot(steps, [h["loss"] for h in history], color="C0")
+        ax[0].set_title(f"{steps[-1]} steps, {history[-1]['t'] / 60:.0f} wall minutes")
     ax[0].set_xlabel("step")
-    ax[0].set_ylabel("answer CE, nats/token (EMA 0.98)")
-    ax[0].grid(alpha=0.3)
-    ax[0].set_title(f"{steps[-1]} steps, {hist[-1]['t'] / 60:.0f} wall minutes")
-    ax[1].plot(steps, [100 * h["tf_em"] for h in hist], color="C1")
-    ax[1].set_xlabel("step")
-    ax[1].set_ylabel("teacher-forced exact match, % (EMA)")
-    ax[1].set_ylim(-3, 103)
-    ax[1].grid(alpha=0.3)
-    save_figure(fig, str(out / "training_curve.png"))
-    return out / "training_curve.png"
+    ax[0].set_ylabel("training answer CE, nats/token (EMA 0.98)")
+    for i, length in enumerate(lengths, 1):
+        ds = [d for d in diags if length in d]
+        st = [d["step"] for d in ds]
+        for key, label, c in (("own_ce", "own memory", "C2"), ("other_ce", "another example's memory", "C3"),
+                              ("none_ce", "no memory", "C7")):
+            ax[i].plot(st, [d[length][key] for d in ds], marker=".", color=c, label=label)
+        ax[i].set_xlabel("step")
+        ax[i].set_ylabel("held-out answer CE, nats/token")
+        ax[i].set_title(f"S-NIAH {length} tokens, n = {ds[-1][length]['n']}")
+        ax[i].legend(fontsize=7)
+    for a in ax:
+        a.grid(alpha=0.3)
+        for c in changes:
+            a.axvline(c, color="k", ls=":", lw=0.7)
+    save_figure(fig, str(path))
+    return path
 
 
 def _ray_loop(config: dict) -> None:

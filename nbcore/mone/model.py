@@ -51,6 +51,9 @@ class MoNeConfig:
     beta_init: float = 0.5          # sigmoid(bias) at init
     gate_init: float = 1.0          # read gate scale at init
     key_rope: bool = True           # segment-local RoPE on memory keys / read queries
+    center_keys: bool = False       # ablation (not in the paper): subtract each segment's mean SiLU key
+                                    # (per head, valid tokens) before the L2 norm
+    center_values: bool = False     # ablation (not in the paper): subtract each segment's mean value
     rope_theta: float = 10000.0     # RoPE base of the memory keys
     rho: float = 0.0                # channel norm after each update; 0 -> sqrt(D)
     seed: int = 0                   # W_0 seed
@@ -104,6 +107,12 @@ class LayerCache:
 
     def n_entries(self, layer: int = 0) -> int:
         return 0 if self.k[layer] is None else self.k[layer].shape[2]
+
+
+def _masked_mean(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean over the valid tokens of each segment: t [B, T, H, D], m [B, T, 1] -> [B, 1, H, D]."""
+    w = m.unsqueeze(-1)
+    return (t * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
 
 
 class MoNeModel(nn.Module):
@@ -196,10 +205,20 @@ class MoNeModel(nn.Module):
         k = self._heads_view(attn.k_proj(x) + ml.lora["wk"](x))
         v = self._heads_view(attn.v_proj(x) + ml.lora["wv"](x))
         pos = torch.arange(T) if self.cfg.key_rope else None  # segment-local: j mod T
-        k = mem.key_features(k, pos, self.cfg.rope_theta)
-        v = F.silu(v)
-        eta = F.softplus(ml.lr_proj(x))
         m = mask.to(x.dtype).unsqueeze(-1)
+        if self.cfg.center_keys:
+            # a direction shared by every key of the segment makes the update return nearly the
+            # same vector for every key (../shared/notes/mone-findings.md); RoPE and L2 as usual
+            k = F.silu(k)
+            k = k - _masked_mean(k, m)
+            k = mem.apply_rope(mem.l2norm(k), *mem.rope_cos_sin(pos, self.D, self.cfg.rope_theta)) \
+                if pos is not None else mem.l2norm(k)
+        else:
+            k = mem.key_features(k, pos, self.cfg.rope_theta)
+        v = F.silu(v)
+        if self.cfg.center_values:
+            v = v - _masked_mean(v, m)
+        eta = F.softplus(ml.lr_proj(x))
         xm = (x * m).sum(1) / m.sum(1).clamp_min(1)
         beta = torch.sigmoid(ml.mom_proj(xm))
         return k, v, eta, beta

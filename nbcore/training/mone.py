@@ -36,6 +36,21 @@ TASK_ALIASES = {"s_niah": "niah_single_1", "mk_niah": "niah_multikey_1", "fwe": 
 
 
 @dataclass
+class CurriculumStage:
+    """One stage of the meta-training curriculum: contexts of ``min..max_segments`` segments of
+    ``segment_len`` tokens, ``batch_size`` contexts per step, for ``steps`` steps (the last stage runs
+    until ``max_steps``). ``needle_window``: the context is a window of the haystack around the
+    needle the question asks about (the needle is then a large share of a short write); otherwise a
+    whole RULER context of that length."""
+    steps: int = 100
+    segment_len: int = 32
+    min_segments: int = 1
+    max_segments: int = 1
+    batch_size: int = 8
+    needle_window: bool = True
+
+
+@dataclass
 class MetaTrainConfig:
     tasks: tuple = ("s_niah", "mk_niah", "fwe")   # RULER niah_single_1, niah_multikey_1, fwe (train-split keys)
     min_segments: int = 2           # contexts of min..max segments of T tokens
@@ -52,7 +67,15 @@ class MetaTrainConfig:
     threads: int = 1                # torch threads
     ckpt_every_s: float = 120.0     # seconds between checkpoints (run_dir/ckpt.pt)
     log_every: int = 10             # steps between log lines
+    rate_lr_mult: float = 1.0       # lr multiplier of the rate/momentum biases and read gates (own AdamW group)
+    curriculum: list[CurriculumStage] = field(default_factory=list)   # empty: one stage of
+                                    # min..max_segments x mone.segment_len, batch_size, whole contexts
+    diag_every: int = 0             # steps between memory diagnostics on a fixed held-out batch (0: none)
+    diag_lengths: list[int] = field(default_factory=lambda: [1024, 4096])   # their context lengths
+    diag_n: list[int] = field(default_factory=lambda: [8, 4])               # examples per length
+    init_adapters: str = ""         # start from these MoNe parameters (a folder with mone_adapters.safetensors)
     mone: MoNeConfig = field(default_factory=lambda: MoNeConfig(segment_len=128))   # the memory's shape
+                                    # (segment_len: the deployed T, which the diagnostics use)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -67,27 +90,66 @@ def encode_query(ex: dict, tok, with_answer: bool = True) -> tuple[list[int], in
     return q + a + [tok.eos_token_id], len(q)
 
 
+def stages(tc: MetaTrainConfig) -> list[CurriculumStage]:
+    if tc.curriculum:
+        return list(tc.curriculum)
+    return [CurriculumStage(steps=tc.max_steps, segment_len=tc.mone.segment_len, min_segments=tc.min_segments,
+                            max_segments=tc.max_segments, batch_size=tc.batch_size, needle_window=False)]
+
+
+def stage_at(step: int, tc: MetaTrainConfig) -> tuple[int, CurriculumStage]:
+    """(index, stage) that training step ``step`` (0-based) belongs to."""
+    st = stages(tc)
+    end = 0
+    for i, s in enumerate(st[:-1]):
+        end += s.steps
+        if step < end:
+            return i, s
+    return len(st) - 1, st[-1]
+
+
+def needle_window(ex: dict, tok, n_tokens: int, rng: random.Random) -> list[int]:
+    """Context ids: ``n_tokens`` of the haystack around the needle that holds the first answer,
+    the needle at a random offset (whole needle even if it is longer than ``n_tokens``)."""
+    ctx = ex["context"]
+    a, b = next((a, b) for a, b in ex["needle_spans"] if ex["answers"][0] in ctx[a:b])
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pre, nd, post = enc(ctx[:a]), enc(ctx[a:b]), enc(ctx[b:])
+    room = max(0, n_tokens - len(nd))
+    left = min(rng.randint(0, room), len(pre))
+    right = min(room - left, len(post))
+    left = min(room - right, len(pre))
+    return pre[len(pre) - left:] + nd + post[:right]
+
+
 def make_batch(step: int, tc: MetaTrainConfig, tok):
-    """(seg_ids [B,S,T], seg_mask [B,S,T], q_ids [B,n], ans_mask [B,n] (targets at t predict t+1), S)."""
-    T = tc.mone.segment_len
+    """(seg_ids [B,S,T], seg_mask [B,S,T], q_ids [B,n], ans_mask [B,n] (targets at t predict t+1), S)
+    for training step ``step`` under its curriculum stage."""
+    _, stage = stage_at(step, tc)
+    T, B = stage.segment_len, stage.batch_size
     rng = random.Random(f"mone|{tc.seed}|{step}")
-    S = rng.randint(tc.min_segments, tc.max_segments)
+    S = rng.randint(stage.min_segments, stage.max_segments)
     ctxs, qs = [], []
-    for _ in range(tc.batch_size):
+    for _ in range(B):
         task = TASK_ALIASES.get(t := rng.choice(tc.tasks), t)
         q_len = 60 if task == "fwe" else 40
-        ex = ruler.generate(task, S * T + q_len, rng.randrange(1 << 30), tok, seed=tc.seed, split="train")
-        ctxs.append(tok(ex["context"], add_special_tokens=False)["input_ids"][:S * T])
+        window = stage.needle_window and task != "fwe"   # FWE has no needle: whole contexts
+        length = max(2 * S * T, 512) + q_len if window else S * T + q_len
+        ex = ruler.generate(task, length, rng.randrange(1 << 30), tok, seed=tc.seed, split="train")
+        if window:
+            ctxs.append(needle_window(ex, tok, S * T, rng))
+        else:
+            ctxs.append(tok(ex["context"], add_special_tokens=False)["input_ids"][:S * T])
         qs.append(encode_query(ex, tok))
     S = max(math.ceil(len(c) / T) for c in ctxs)
-    seg = torch.full((tc.batch_size, S * T), tok.pad_token_id, dtype=torch.long)
-    msk = torch.zeros((tc.batch_size, S * T), dtype=torch.bool)
+    seg = torch.full((B, S * T), tok.pad_token_id, dtype=torch.long)
+    msk = torch.zeros((B, S * T), dtype=torch.bool)
     for i, c in enumerate(ctxs):
         seg[i, :len(c)] = torch.tensor(c)
         msk[i, :len(c)] = True
     n = max(len(q) for q, _ in qs)
-    q_ids = torch.full((tc.batch_size, n), tok.pad_token_id, dtype=torch.long)
-    ans = torch.zeros((tc.batch_size, n), dtype=torch.bool)
+    q_ids = torch.full((B, n), tok.pad_token_id, dtype=torch.long)
+    ans = torch.zeros((B, n), dtype=torch.bool)
     for i, (q, a0) in enumerate(qs):
         q_ids[i, :len(q)] = torch.tensor(q)
         ans[i, a0 - 1:len(q) - 1] = True
@@ -95,6 +157,22 @@ def make_batch(step: int, tc: MetaTrainConfig, tok):
 
 
 def meta_loss(model: MoNeModel, seg, msk, q_ids, ans):
+    """(mean answer-token CE, share of rows whose answer tokens are all argmax-correct). The LM head
+    (49K x 576 on SmolLM2, a fifth of the query pass) runs on the answer positions only;
+    ``meta_loss_reference`` is the full-logits form it is tested equal to."""
+    fast = model.write(model.fresh(seg.shape[0]), seg, msk)
+    h, _ = model._run(q_ids, torch.arange(q_ids.shape[1]), fast=fast)
+    a = ans[:, :-1]
+    logits = model.base.lm_head(h[:, :-1][a])          # [answer tokens, vocab]
+    tgt = q_ids[:, 1:][a]
+    loss = F.cross_entropy(logits, tgt) if len(tgt) else logits.sum() * 0
+    with torch.no_grad():
+        wrong = torch.zeros(a.shape[0], dtype=torch.long).index_add_(
+            0, a.nonzero()[:, 0], (logits.argmax(-1) != tgt).long())
+    return loss, (wrong == 0).float().mean().item()
+
+
+def meta_loss_reference(model: MoNeModel, seg, msk, q_ids, ans):
     fast = model.write(model.fresh(seg.shape[0]), seg, msk)
     logits = model.logits(q_ids, fast)[:, :-1]
     tgt = q_ids[:, 1:]
@@ -109,16 +187,150 @@ def meta_loss(model: MoNeModel, seg, msk, q_ids, ans):
 # ------------------------------------------------------------------------------------------------
 # training loop
 
+RATE_PARAMS = ("lr_proj.bias", "mom_proj.bias", "gate")
+
+
+def param_groups(model: MoNeModel, tc: MetaTrainConfig) -> list[dict]:
+    """AdamW groups: the rate and momentum biases and the read gates get ``lr * rate_lr_mult`` (with
+    the shared lr the rate bias barely moved in 489 steps: eta 0.95-1.04 in every layer), the
+    rest ``lr``. Each group's ``lr_mult`` is applied by the schedule."""
+    rates, rest = [], []
+    for name, p in model.mone.named_parameters():
+        if p.requires_grad:
+            (rates if name.split(".", 1)[1] in RATE_PARAMS else rest).append(p)
+    return [{"params": rest, "lr": tc.lr, "lr_mult": 1.0, "name": "adapters"},
+            {"params": rates, "lr": tc.lr * tc.rate_lr_mult, "lr_mult": tc.rate_lr_mult, "name": "rates"}]
+
+
 def lr_at(step: int, frac: float, tc: MetaTrainConfig) -> float:
     warm = min(1.0, (step + 1) / max(1, tc.warmup_steps))
     cos = tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
     return tc.lr * warm * cos
 
 
+def answer_ce(model: MoNeModel, q_ids: torch.Tensor, a0: int, fast) -> float:
+    """Teacher-forced mean CE (nats) of tokens a0.. of one query [1, n] reading ``fast`` (None: no memory)."""
+    logits = model.logits(q_ids, fast)[0, a0 - 1:-1]
+    return float(F.cross_entropy(logits, q_ids[0, a0:]))
+
+
+class MemoryDiagnostics:
+    """Answer CE on a fixed held-out S-NIAH batch (test-split keys, examples 1000.. at ``seed``, so
+    not the grid's examples) with the example's own memory, with the next example's memory, and with
+    no memory, at each context length. The frozen base's per-layer inputs of every segment are
+    computed once and kept (``cache_dtype``): they do not depend on the MoNe parameters, so each
+    evaluation only re-runs the write chain and three short query passes per example. The write
+    equals ``state.ingest`` + ``state.finalized`` at the model's ``segment_len`` (full segments,
+    then the tail as one short segment)."""
+
+    def __init__(self, model: MoNeModel, tok, lengths=(1024, 4096), ns=(8, 4), seed: int = 0,
+                 task: str = "niah_single_1", cache_dtype=torch.float16, cache_file: str | Path | None = None):
+        if len(lengths) != len(ns):
+            raise ValueError(f"diag_lengths {list(lengths)} and diag_n {list(ns)} differ in length")
+        if any(n < 2 for n in ns):
+            raise ValueError("diag_n: need >= 2 examples per length (another example's memory)")
+        self.T = model.cfg.segment_len
+        self.key = {"lengths": list(lengths), "ns": list(ns), "seed": seed, "task": task, "T": self.T,
+                    "dtype": str(cache_dtype), "layers": model.n_layers, "hidden": model.hidden}
+        if cache_file is not None and Path(cache_file).is_file() and self._load(Path(cache_file)):
+            return
+        self.cells: dict[int, list[dict]] = {}
+        for length, n in zip(lengths, ns):
+            items = []
+            for i in range(n):
+                ex = ruler.generate(task, length, 1000 + i, tok, seed=seed, split="test")
+                ctx = tok(ex["context"], add_special_tokens=False)["input_ids"]
+                q, a0 = encode_query(ex, tok)
+                full, tail = len(ctx) // self.T, ctx[len(ctx) // self.T * self.T:]
+                parts = []
+                if full:
+                    parts.append(torch.tensor(ctx[:full * self.T]).view(full, self.T))
+                if tail:
+                    parts.append(torch.tensor([tail]))
+                xs = [[x.to(cache_dtype) for x in model.segment_inputs(p)] for p in parts]
+                items.append({"xs": xs, "q": torch.tensor([q]), "a0": a0})
+            self.cells[length] = items
+        if cache_file is not None:
+            self._save(Path(cache_file))
+
+    def _save(self, path: Path) -> None:
+        """The frozen inputs (safetensors; metadata: what they were made for), so a resumed run
+        skips the frozen forward of the whole batch."""
+        from safetensors.torch import save_file
+        t = {}
+        for length, items in self.cells.items():
+            for i, it in enumerate(items):
+                t[f"{length}.{i}.q"] = it["q"]
+                t[f"{length}.{i}.a0"] = torch.tensor(it["a0"])
+                for j, xs in enumerate(it["xs"]):
+                    for l, x in enumerate(xs):
+                        t[f"{length}.{i}.p{j}.l{l}"] = x.contiguous()
+        tmp = path.with_suffix(".tmp")
+        save_file(t, str(tmp), metadata={"diagnostics": json.dumps(self.key)})
+        tmp.replace(path)
+
+    def _load(self, path: Path) -> bool:
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            if json.loads((f.metadata() or {}).get("diagnostics", "null")) != self.key:
+                return False     # made for another batch or model: rebuilt and overwritten
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        self.cells = {}
+        for length, n in zip(self.key["lengths"], self.key["ns"]):
+            items = []
+            for i in range(n):
+                parts = sorted({int(k.split(".")[2][1:]) for k in t if k.startswith(f"{length}.{i}.p")})
+                xs = [[t[f"{length}.{i}.p{j}.l{l}"] for l in range(self.key["layers"])] for j in parts]
+                items.append({"xs": xs, "q": t[f"{length}.{i}.q"], "a0": int(t[f"{length}.{i}.a0"])})
+            self.cells[length] = items
+        return True
+
+    @torch.no_grad()
+    def fast_weights(self, model: MoNeModel, item: dict):
+        fast = model.fresh(1)
+        for xs in item["xs"]:
+            S, t = xs[0].shape[:2]
+            seg = torch.zeros(1, S, t, dtype=torch.long)   # shape only: the inputs are given
+            fast = model.write(fast, seg, torch.ones(1, S, t, dtype=torch.bool),
+                               xs=[x.to(torch.float32) for x in xs])
+        return fast
+
+    @torch.no_grad()
+    def evaluate(self, model: MoNeModel) -> dict:
+        """{str(length): {"own_ce", "other_ce", "none_ce", "n"}}; "other": example i reads example
+        i+1's memory (mod n)."""
+        if model.cfg.segment_len != self.T:
+            raise ValueError(f"diagnostics were prepared for segment_len {self.T}, model has {model.cfg.segment_len}")
+        was_training = model.mone.training
+        model.mone.eval()
+        out = {}
+        for length, items in self.cells.items():
+            n = len(items)
+            own, other, none = [], [], []
+            first = prev = None
+            for i, it in enumerate(items):
+                fast = self.fast_weights(model, it)
+                own.append(answer_ce(model, it["q"], it["a0"], fast))
+                none.append(answer_ce(model, it["q"], it["a0"], None))
+                if prev is not None:          # example i-1 reads example i's memory
+                    other.append(answer_ce(model, items[i - 1]["q"], items[i - 1]["a0"], fast))
+                else:
+                    first = fast
+                prev = fast
+            other.append(answer_ce(model, items[-1]["q"], items[-1]["a0"], first))
+            out[str(length)] = {"own_ce": round(sum(own) / n, 4), "other_ce": round(sum(other) / n, 4),
+                                "none_ce": round(sum(none) / n, 4), "n": n}
+        model.mone.train(was_training)
+        return out
+
+
 def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: MetaTrainConfig,
-          log=print, report=None) -> dict:
-    """Plain meta-training loop (resumable). ``report(metrics)`` is called at each log line (Ray Train
-    passes ``ray.train.report``)."""
+          log=print, report=None, on_diagnostics=None) -> dict:
+    """Meta-training loop (resumable from ``run_dir/ckpt.pt``; the MoNe parameters of the latest
+    checkpoint also go to ``run_dir/adapters``). ``report(metrics)`` is called at each log line (Ray
+    Train passes ``ray.train.report``). Every ``diag_every`` steps the held-out memory diagnostics
+    run and ``on_diagnostics(model, meta, history, diagnostics)`` is called (the job exports the
+    adapters, curves and diagnostics from there); ``out_dir`` receives the adapters at the end."""
     from nbcore.tasks.tokenizer import load_tokenizer
     torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -126,21 +338,32 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     run_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(base_dir)
     model = MoNeModel.from_pretrained(base_dir, cfg=tc.mone)
+    if tc.init_adapters:
+        from safetensors.torch import load_file
+        model.mone.load_state_dict(load_file(str(Path(tc.init_adapters) / "mone_adapters.safetensors")))
+        log(f"initial MoNe parameters from {tc.init_adapters}")
     params = model.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    step, elapsed, ema, history = 0, 0.0, None, []
+    opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    step, elapsed, ema, history, diags = 0, 0.0, None, [], []
     ck = run_dir / "ckpt.pt"
     if ck.exists():
         st = torch.load(ck, weights_only=True)   # tensors and plain containers only: no pickle
         model.mone.load_state_dict(st["mone"])
         opt.load_state_dict(st["opt"])
         step, elapsed, ema, history = st["step"], st["elapsed"], st["ema"], st["history"]
+        diags = st.get("diagnostics", [])
         log(f"resumed from {ck} at step {step} ({elapsed:.0f}s)")
     n_train = sum(p.numel() for p in params)
     n_base = sum(p.numel() for p in model.base.parameters())
     fast_per_layer = 3 * tc.mone.mem_heads * model.Fw * model.D
     log(f"MoNe: {n_train} trainable params, base {n_base}, fast weights {fast_per_layer} x "
         f"{model.n_layers} layers ({100 * fast_per_layer * model.n_layers / n_base:.1f}% of base)")
+    diag = None
+    if tc.diag_every:
+        t_d = time.time()
+        diag = MemoryDiagnostics(model, tok, tc.diag_lengths, tc.diag_n, seed=tc.seed,
+                                 cache_file=run_dir / "diagnostics_inputs.safetensors")
+        log(f"diagnostics batch prepared in {time.time() - t_d:.0f}s")
     budget = tc.minutes * 60
     t0 = time.time() - elapsed
     last_ck = time.time()
@@ -149,21 +372,36 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         return {"train": {k: v for k, v in asdict(tc).items() if k != "mone"}, "steps": step,
                 "wall_s": round(time.time() - t0, 1), "trainable_params": n_train,
                 "base_params": n_base, "fast_weight_params_per_layer": fast_per_layer,
-                "ema": {"loss": ema[0], "tf_em": ema[1]} if ema else None}
+                "ema": {"loss": ema[0], "tf_em": ema[1]} if ema else None,
+                "diagnostics": diags[-1] if diags else None}
 
     def save():
+        tmp = run_dir / "ckpt.pt.tmp"
         torch.save({"mone": model.mone.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": time.time() - t0, "ema": ema, "history": history}, ck)
-        model.save_adapters(out_dir, meta())
-        (run_dir / "history.json").write_text(json.dumps(history))
+                    "elapsed": time.time() - t0, "ema": ema, "history": history, "diagnostics": diags}, tmp)
+        tmp.replace(ck)   # a kill during the write leaves the previous checkpoint intact
+        model.save_adapters(run_dir / "adapters", meta())
+        (run_dir / "history.json").write_text(json.dumps({"train": history, "diagnostics": diags}))
 
+    def run_diag():
+        t_d = time.time()
+        res = diag.evaluate(model)
+        rec = {"step": step, "t": round(time.time() - t0, 1), "stage": stage_at(max(step - 1, 0), tc)[0], **res}
+        diags.append(rec)
+        log(json.dumps({"diagnostics": rec, "seconds": round(time.time() - t_d, 1)}))
+        save()
+        if on_diagnostics is not None:
+            on_diagnostics(model, meta(), history, diags)
+
+    if diag is not None and not diags:
+        run_diag()                      # the starting point (a resumed run keeps its diag_every grid)
     model.mone.train()
     while step < tc.max_steps and time.time() - t0 < budget:
         frac = max((time.time() - t0) / budget, step / tc.max_steps)
         seg, msk, q_ids, ans, S = make_batch(step, tc, tok)
         lr = lr_at(step, frac, tc)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
         loss, em = meta_loss(model, seg, msk, q_ids, ans)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,16 +411,24 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         v = (loss.item(), em)
         ema = v if ema is None else tuple(0.98 * e + 0.02 * x for e, x in zip(ema, v))
         if step % tc.log_every == 0:
-            rec = {"step": step, "t": round(time.time() - t0, 1), "S": S, "loss": round(ema[0], 4),
-                   "tf_em": round(ema[1], 3), "lr": lr, "gnorm": round(gn, 3)}
+            stage_i, stage = stage_at(step - 1, tc)
+            rec = {"step": step, "t": round(time.time() - t0, 1), "stage": stage_i, "T": stage.segment_len,
+                   "S": S, "B": stage.batch_size, "loss": round(ema[0], 4), "tf_em": round(ema[1], 3),
+                   "lr": lr, "gnorm": round(gn, 3)}
             history.append(rec)
             log(json.dumps(rec))
             if report is not None:
                 report(rec)
-        if time.time() - last_ck > tc.ckpt_every_s:
+        if diag is not None and step % tc.diag_every == 0:
+            run_diag()
+            last_ck = time.time()
+        elif time.time() - last_ck > tc.ckpt_every_s:
             save()
             last_ck = time.time()
     save()
+    if diag is not None and not any(d["step"] == step for d in diags):
+        run_diag()
+    model.save_adapters(out_dir, meta())
     log(f"done: {step} steps, {time.time() - t0:.0f}s")
     return meta()
 
