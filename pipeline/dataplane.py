@@ -141,7 +141,9 @@ def _portable_model(model: dict, memory: str, adapters: str | None) -> tuple[dic
 
 def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tuple[dict, dict, list[str]]:
     """-> (valid commit records by group, {doc_id: latest ok/failed entry info}, problems).
-    A group whose files do not match its record is taken out of the committed set (redone)."""
+    A group whose files do not match its record is taken out of the committed set (redone).
+    A document's info holds its state's and notes parts' FileRef dicts (path, size, sha256): readers
+    check the bytes against them."""
     commits, problems = store.load_commits()
     sizes = store.file_sizes() if commits else {}
     valid, damaged = {}, {}
@@ -178,8 +180,9 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
         for e in rec.documents:
             if e.status == "ok" and e.doc_id in docs:
                 docs[e.doc_id]["shas"].add(e.text_sha256)
-                if rec.notes is not None and e.n_notes and rec.notes.path not in docs[e.doc_id]["notes_files"]:
-                    docs[e.doc_id]["notes_files"].append(rec.notes.path)
+                if rec.notes is not None and e.n_notes and \
+                        all(f["path"] != rec.notes.path for f in docs[e.doc_id]["notes_files"]):
+                    docs[e.doc_id]["notes_files"].append(dict(rec.notes.__dict__))
     return valid, docs, problems
 
 
@@ -273,6 +276,12 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
         fp = memory_run_fingerprint(cfg, info)
         store.check_or_write_run(fp, defaults={"memory": "notebank"})
         valid, committed, problems = committed_documents(store, cfg.verify)
+        # files no commit names (a write that never committed, a group just taken out) are deleted
+        # now; a group redone below writes them again
+        orphans = store.clean_unreferenced(valid, store.file_sizes(), lease)
+        if orphans:
+            problems.append(f"deleted {len(orphans)} data files that no commit record names (e.g. "
+                            f"{store.url_of(orphans[0])}): left by a write that did not commit")
         for p in problems:
             log.warning("%s", p)
         scans = (ray.data.from_items([{"shard": s} for s in shards])
