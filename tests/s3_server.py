@@ -25,10 +25,36 @@ import uuid
 BUCKET = "nb-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listening_socket() -> socket.socket:
+    """A socket bound to a free port on 127.0.0.1 and listening: the port is ours from now on, even if
+    the server starts much later (a port number alone may be taken by then, e.g. by Ray)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
+
+
+def _moto_server_class():
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class BoundMotoServer(ThreadedMotoServer):
+        """moto's ThreadedMotoServer, serving on a socket bound beforehand (werkzeug's `fd=`)."""
+
+        def __init__(self, sock: socket.socket):
+            host, port = sock.getsockname()[:2]
+            super().__init__(ip_address=host, port=port, verbose=False)
+            self._sock = sock
+
+        def _server_entry(self) -> None:
+            app = DomainDispatcherApplication(create_backend_app)
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler,
+                                       fd=self._sock.fileno())
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return BoundMotoServer
 
 
 def aws_env(port: int) -> dict[str, str]:
@@ -93,8 +119,9 @@ class CountingApp:
 
 
 class S3Server:
-    def __init__(self, port: int | None = None, bucket: str = BUCKET):
-        self.port = port or free_port()
+    def __init__(self, sock: socket.socket | None = None, bucket: str = BUCKET):
+        self.sock = sock or listening_socket()
+        self.port = self.sock.getsockname()[1]
         self.bucket = bucket
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._server = None
@@ -104,10 +131,8 @@ class S3Server:
     # ---- life cycle ------------------------------------------------------------------------------
     def start(self, set_env: bool = True) -> "S3Server":
         import logging
-
-        from moto.server import ThreadedMotoServer
         logging.getLogger("werkzeug").setLevel(logging.ERROR)      # no access-log line per request
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server = _moto_server_class()(self.sock)
         self._server.start()
         wsgi = self._server._server           # werkzeug's server: its request handler calls server.app
         self.app = CountingApp(wsgi.app, self._object_size)
@@ -124,6 +149,7 @@ class S3Server:
         if self._server is not None:
             self._server.stop()
             self._server = None
+            self.sock.close()
         for k, v in self._saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
