@@ -18,11 +18,12 @@ from nbcore.testing import needle_text
 from notebank.pipeline.archive import Archive
 from notebank.pipeline.ingest import run_ingest
 from notebank.pipeline.query import run_query
+from notebank.pipeline.config import QueryJobConfig, build
 from test_integrity import flip_bytes
 from test_pipeline_ingest import cfg_for
-from test_pipeline_query import qcfg
 
 DATA = ("notes", "documents", "state")
+pytestmark = pytest.mark.slow           # eight pipeline runs (about 2 minutes on an idle 2-core machine)
 
 
 def data_files(fs, root: str) -> dict[str, bytes]:
@@ -34,6 +35,12 @@ def data_files(fs, root: str) -> dict[str, bytes]:
             for p in fs.find(f"{root}/{sub}"):
                 out[p[len(root) + 1:]] = fs.cat_file(p)
     return out
+
+
+def qcfg(questions, archive, output, **kw) -> QueryJobConfig:
+    d = {"questions": questions, "archive": archive, "output": output, "model": TINY_MODEL, "actors": TEST_ACTORS,
+         "progress": False, "methods": ["notebank"], "read": {"max_new_tokens": 6, "top_r": 2, "stop": ["\n"]}}
+    return build(QueryJobConfig, {**d, **kw}).validate()
 
 
 def strip(url: str) -> str:
