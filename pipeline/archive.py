@@ -213,8 +213,10 @@ class Archive:
             self.fs.pipe_file(path, data)
 
     def clean_tmp(self) -> int:
+        """Delete temporaries of writes that were killed (local folders only: on an object store nothing
+        is written under a temporary name, and readers skip any that an older version left)."""
         n = 0
-        if not self.fs.exists(self.root):
+        if not self.local or not self.fs.exists(self.root):
             return 0
         for p in self.fs.find(self.root):
             if TMP_MARK in posixpath.basename(p):
