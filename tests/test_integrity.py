@@ -1,7 +1,8 @@
 """The commit protocol and integrity checks of pipeline/archive.py, without Ray: create-only commit
 records (a retried batch's same record counts, another writer's is refused), files written once under
 their final names on object stores, orphans deleted only under the lease, and damaged notes parts
-refused before their rows are used (open_archive here; the query job in test_s3.py and below)."""
+refused before their rows are used (open_archive, the query actor and an append here; the whole query
+job on S3 in test_s3.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +87,7 @@ def test_clean_unreferenced_needs_the_lease(tmp_path):
     assert (out / orphan.path).exists()
 
 
-def test_flipped_notes_part_is_refused_by_open_archive(tmp_path):
+def test_flipped_notes_part_fails_its_readers_until_repaired(tmp_path):
     """Same size, other bytes: the sizes check passes, the sha256 check before reading does not."""
     import nbcore
     from notebank.pipeline.actors import IngestActor
@@ -111,6 +112,29 @@ def test_flipped_notes_part_is_refused_by_open_archive(tmp_path):
                                              r"its commit record says [0-9a-f]{64}"):
         fresh.notes("d0")
     assert fresh.notes("d1")                               # the other group's part is fine
+    # the query job's actor, in this process: the questions on d0 fail with the error, d1's are answered
+    import json
+    from notebank.pipeline.actors import QueryActor
+    from notebank.pipeline.dataplane import committed_documents
+    _, committed, _ = committed_documents(store, verify=False, repair=False)
+    needed = {d: {k: committed[d][k] for k in ("state", "notes_files", "generation", "n_tokens")} for d in committed}
+    qa = QueryActor(model=TINY_MODEL, archive=str(out), output=str(tmp_path / "answers"),
+                    read={"max_new_tokens": 4, "top_r": 2}, nb=TINY_NB, docs_ref=needed,
+                    provenance={"archive": str(out), "model_fingerprint": actor.fp, "notebank": json.dumps(TINY_NB)})
+    ask = lambda d: qa.answer_document([{"question_id": f"{d}-q", "doc_id": d, "question": "What number?",
+                                         "methods": json.dumps(["notebank"]), "answers": json.dumps(["1"]),
+                                         "source_shard": "q.jsonl", "source_row": 0}])
+    r0, r1 = ask("d0"), ask("d1")
+    assert r0["status"] == ["failed"] and "integrity check failed" in r0["error"][0] and "g0.parquet" in r0["error"][0]
+    assert r1["status"] == ["ok"]
+    # an append reads the document's notes first: it fails with the same error, and writes no state
+    prev = {k: committed["d0"][k] for k in ("state", "notes_files", "generation", "n_tokens")}
+    recs = actor.ingest_group("g2", [{"row": 0, "shard": "more.jsonl", "action": "append", "reason": None,
+                                      "doc_id": "d0", "key": "d0", "generation": 1, "group_id": "g2",
+                                      "text": "More text for d0.", "metadata": {}, "previous": prev}])
+    assert recs[0]["status"] == "failed" and "integrity check failed" in recs[0]["error"], recs
+    assert not (out / Archive.rel_state("d0", 1)).exists()
     part.write_bytes(original)                             # repaired
     key = lambda notes: [(n["note_index"], n["text"], list(n["token_ids"])) for n in notes]
     assert key(fresh.notes("d0")) == key(good)
+    assert ask("d0")["status"] == ["ok"]                   # the failed check was not remembered
