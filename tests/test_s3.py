@@ -171,3 +171,14 @@ def test_append_on_s3_equals_append_locally(run, tmp_path):
         assert (s["docs_ok"], s["docs_failed"]) == (1, 0), s
     got, want = data_files(fs, strip(arc)), data_files(fsspec.filesystem("file"), str(local))
     assert got == want and any(".g1." in p for p in got)
+
+
+def test_bytes_bench_counts_the_old_protocol_twice(tmp_path):
+    """bench/s3_bytes.py, one small document, no Ray: temp + mv sends every byte twice, the shipped
+    protocol once (plus the commit record)."""
+    from bench import s3_bytes
+    res = s3_bytes.main(["--docs", "1", "--chars", "1500", "--no-job", "--out", str(tmp_path / "b.json")])
+    assert res["before"]["ratio_to_files"] > 1.9 and res["before"]["copies"] > 0
+    assert res["after"]["ratio_to_files"] <= 1.1 and res["after"]["copies"] == 0
+    assert res["after"]["temporary_names"] == 0 and res["bar_met"]
+    assert (tmp_path / "b.md").read_text().count("|") > 10
