@@ -1,10 +1,25 @@
 """The archive folder (layout v2, schemas/archive.py): written by many actors at once, read as datasets.
 
 Who writes what: each ingest actor writes its group's files straight to the store -- the state of
-every document, one notes part, one documents part -- each under a temporary name renamed into
-place, and then the group's commit record, last. Only a small record per document travels back to
-the driver. A group is committed iff its record exists and names files of the recorded sizes; files
-without a record are orphans of a crash and are rewritten (with the same bytes) by the rerun.
+every document, one notes part, one documents part -- and then the group's commit record, last.
+Only a small record per document travels back to the driver. A group is committed iff its record
+exists and names files of the recorded sizes; files without a record are orphans of a crash and
+are rewritten (with the same bytes) by the rerun, or deleted by `clean_unreferenced`.
+
+How a file is written depends on the filesystem:
+  - a local folder: under a temporary name, then renamed into place (a rename is atomic there);
+    the commit record is hard-linked into place, which fails if a record is there already.
+  - an object store (any other fsspec filesystem): data files are written once, under their final
+    names, which are specific to the group and generation (a PUT is atomic: readers see the whole
+    object or none; a temporary name + `mv` would be a server-side copy + delete, every byte written
+    twice). The commit record is a create-only PUT (`mode="create"`, If-None-Match on S3): the single
+    atomic step that makes the group visible.
+Either way a record already there with the same content (a batch retried after its actor died
+between commit and reply) counts as the commit; a different one is refused as a second writer.
+
+Reading checks what the commit records say: the sizes of every file (`file_problems`) and the
+sha256 of every state file and notes part before its bytes are used (`read_verified`; a notes
+part's success is remembered per Archive object, so a part shared by many documents is hashed once).
 
 States are safetensors. A state above `piece_bytes` is written in pieces (each a complete
 safetensors file holding whole tensors, or slices of one tensor along dim 0), streamed from the
@@ -15,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import posixpath
 import struct
 import uuid
@@ -51,6 +67,19 @@ class LayoutError(RuntimeError):
     """The folder holds an archive in a layout this version does not read."""
 
 
+class IntegrityError(ArchiveError):
+    """A file's bytes are not the ones its commit record names (flipped, truncated or overwritten)."""
+
+
+class CommitConflict(ArchiveError):
+    """A group's commit record is already there with other content: a second writer wrote the group."""
+
+
+# filesystems whose listings other processes change under us: no listing cache (a stale `ls` would
+# hide the commits of the actors, which are other processes)
+_CACHED_LISTING_OK = ("file", "local", "memory")
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -65,9 +94,15 @@ def fingerprint_digest(fp: dict) -> str:
 
 class Archive:
     def __init__(self, url: str):
+        from fsspec.implementations.local import LocalFileSystem
         self.url = url.rstrip("/")
-        self.fs, root = fsspec.core.url_to_fs(self.url)
+        proto = fsspec.utils.get_protocol(self.url)
+        opts = {} if proto in _CACHED_LISTING_OK else {"use_listings_cache": False}
+        self.fs, root = fsspec.core.url_to_fs(self.url, **opts)
         self.root = root.rstrip("/")
+        # local: temporary name + rename; elsewhere: write once under the final name (module docstring)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self._verified: set[tuple[str, int, str]] = set()      # (path, size, sha256) checked in this process
 
     # ---- paths ---------------------------------------------------------------------------------
     def path(self, rel: str) -> str:
@@ -105,7 +140,11 @@ class Archive:
 
     # ---- writing -----------------------------------------------------------------------------------
     def atomic_write(self, rel: str, data: bytes) -> S.FileRef:
+        """Write `rel` whole: readers see the old file (or none) or the new one, never a part."""
         final = self.path(rel)
+        if not self.local:
+            self.fs.pipe_file(final, data)         # one PUT, under the final name
+            return S.FileRef(path=rel, size=len(data), sha256=sha256(data))
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
         self.fs.pipe_file(tmp, data)
@@ -113,22 +152,71 @@ class Archive:
         return S.FileRef(path=rel, size=len(data), sha256=sha256(data))
 
     def _atomic_stream(self, rel: str, chunks) -> S.FileRef:
-        """Write an iterable of buffers to `rel` (temporary name + rename), hashing as it goes."""
+        """Write an iterable of buffers to `rel`, hashing as it goes (local: temporary name + rename;
+        object store: one upload under the final name, visible only once complete)."""
         final = self.path(rel)
-        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
-        tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        if self.local:
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            target = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        else:
+            target = final
         h, n = hashlib.sha256(), 0
-        with self.fs.open(tmp, "wb") as f:
+        with self.fs.open(target, "wb") as f:
             for buf in chunks:
                 f.write(buf)
                 h.update(buf)
                 n += len(buf)
-        self.fs.mv(tmp, final)
+        if target != final:
+            self.fs.mv(target, final)
         return S.FileRef(path=rel, size=n, sha256=h.hexdigest())
 
+    def write_commit(self, rec: S.CommitRecord) -> S.CommitRecord:
+        """Create the group's commit record, the one atomic step of a group's write. A record already
+        there with the same content (but for its time stamps) is this commit, written by an earlier try
+        of the same batch: it is kept and returned. A different one raises CommitConflict."""
+        rel = self.rel_commit(rec.group)
+        final = self.path(rel)
+        data = rec.to_bytes()
+        try:
+            if self.local:
+                self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+                tmp = f"{final}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+                self.fs.pipe_file(tmp, data)
+                try:
+                    os.link(tmp, final)              # fails if the record exists: create-only, atomic
+                finally:
+                    self.fs.rm_file(tmp)
+            else:
+                self._create_only(final, data)
+            return rec
+        except FileExistsError:
+            pass
+        try:
+            there = S.CommitRecord.from_bytes(self.fs.cat_file(final), self.url_of(rel))
+        except (SchemaError, FileNotFoundError) as e:
+            raise CommitConflict(f"{self.url_of(rel)}: cannot commit group {rec.group}: a record is there "
+                                 f"already and cannot be read ({e}); is another run writing here?") from e
+        if _commit_substance(there) != _commit_substance(rec):
+            raise CommitConflict(
+                f"{self.url_of(rel)}: group {rec.group} is already committed with other files (committed at "
+                f"{there.committed_at}): another writer wrote this group. Only one run may write an output "
+                f"folder at a time.")
+        return there
+
+    def _create_only(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(path, data, mode="create")      # S3: PUT with If-None-Match: *
+        except (NotImplementedError, TypeError):
+            # a store without conditional writes: check, then write (the writer lease keeps others out)
+            if self.fs.exists(path):
+                raise FileExistsError(path) from None
+            self.fs.pipe_file(path, data)
+
     def clean_tmp(self) -> int:
+        """Delete temporaries of writes that were killed (local folders only: on an object store nothing
+        is written under a temporary name, and readers skip any that an older version left)."""
         n = 0
-        if not self.fs.exists(self.root):
+        if not self.local or not self.fs.exists(self.root):
             return 0
         for p in self.fs.find(self.root):
             if TMP_MARK in posixpath.basename(p):
@@ -158,8 +246,7 @@ class Archive:
         rec.documents_file = self.atomic_write(self.rel_documents(group),
                                                _parquet_bytes(S.documents_table(doc_rows), DOCS_PARQUET))
         rec.committed_at = utc_now()
-        self.atomic_write(self.rel_commit(group), rec.to_bytes())
-        return rec
+        return self.write_commit(rec)
 
     # ---- run fingerprint ----------------------------------------------------------------------------
     def read_run(self) -> dict | None:
@@ -243,15 +330,35 @@ class Archive:
             self.fs.makedirs(self.path("manifest/invalid"), exist_ok=True)
             self.fs.mv(src, self.path(f"manifest/invalid/{group}.{uuid.uuid4().hex[:8]}.json"))
 
+    def clean_unreferenced(self, commits: dict[str, S.CommitRecord], sizes: dict[str, int], lease) -> list[str]:
+        """Delete the data files (notes, documents, state) that no commit record in `commits` names:
+        orphans of a write that never committed, or of a group taken out by `invalidate`. `sizes` is
+        `file_sizes()` taken after `commits` were loaded. Only the lease holder may delete: the lease is
+        checked first (OutputBusy if it is not ours), since another writer's uncommitted files look
+        the same. -> the relative paths deleted."""
+        lease.check()
+        named = {r.path for rec in commits.values() for r in rec.files()}
+        gone = sorted(p for p in sizes if p not in named)
+        if gone:
+            self.fs.rm([self.path(p) for p in gone])
+        return gone
+
     # ---- reading one document ------------------------------------------------------------------------
     def read_verified(self, ref: S.FileRef, verify: bool = True) -> bytes:
+        """The file's bytes, checked against its commit record: size always, sha256 when `verify`."""
         try:
             data = self.fs.cat_file(self.path(ref.path))
         except FileNotFoundError as e:
             raise ArchiveError(f"{self.url_of(ref.path)}: file not found") from e
-        if len(data) != ref.size or (verify and sha256(data) != ref.sha256):
+        if len(data) != ref.size:
             raise ArchiveError(f"{self.url_of(ref.path)}: contents do not match the commit record (size "
                                f"{len(data)} vs recorded {ref.size}; truncated, corrupted or overwritten)")
+        if verify:
+            got = sha256(data)
+            if got != ref.sha256:
+                raise IntegrityError(f"integrity check failed: {self.url_of(ref.path)} has sha256 {got}, its "
+                                     f"commit record says {ref.sha256} (corrupted or overwritten)")
+            self._verified.add((ref.path, ref.size, ref.sha256))
         return data
 
     def read_state(self, refs: list[S.FileRef], expect_model: str | None = None, verify: bool = True) -> dict:
@@ -284,17 +391,28 @@ class Archive:
                 out[base] = torch.cat([t for _, t in items])
         return out
 
-    def read_notes(self, doc_id: str, files: list[str], generation: int) -> pa.Table:
-        """The live note rows of one document (sorted by note_index) from its groups' notes parts."""
+    def read_notes(self, doc_id: str, files: list, generation: int) -> pa.Table:
+        """The live note rows of one document (sorted by note_index) from its groups' notes parts.
+        `files`: the parts' FileRefs (or their dicts) from the commit records. A part is checked against
+        its record's sha256 the first time this Archive object reads it (IntegrityError if it differs);
+        later reads of a part already checked go straight to the rows of `doc_id`."""
         import pyarrow.compute as pc
         tables = []
-        for rel in files:
-            where = self.url_of(rel)
+        for ref in files:
+            ref = _file_ref(ref)
+            where = self.url_of(ref.path)
             try:
-                with self.fs.open(self.path(rel), "rb") as f:
-                    t = pq.read_table(f, filters=[("doc_id", "=", doc_id)])
+                if (ref.path, ref.size, ref.sha256) in self._verified:
+                    with self.fs.open(self.path(ref.path), "rb") as f:
+                        t = pq.read_table(f, filters=[("doc_id", "=", doc_id)])
+                else:
+                    data = self.read_verified(ref)
+                    t = pq.read_table(pa.BufferReader(data), filters=[("doc_id", "=", doc_id)])
+                    del data
             except FileNotFoundError as e:
                 raise ArchiveError(f"{where}: file not found") from e
+            except ArchiveError:
+                raise
             except Exception as e:
                 raise ArchiveError(f"{where}: not a readable Parquet file (truncated or corrupted?): {e}") from e
             S.validate_notes_table(t, where)
@@ -304,6 +422,22 @@ class Archive:
         t = pa.concat_tables(tables)
         t = t.filter(pc.less_equal(t.column("generation"), generation))
         return t.sort_by("note_index")
+
+
+def _file_ref(ref) -> S.FileRef:
+    if isinstance(ref, S.FileRef):
+        return ref
+    if isinstance(ref, dict):
+        return S.FileRef(**ref)
+    raise TypeError(f"expected a FileRef (path, size, sha256) from a commit record, got {ref!r}: a bare path "
+                    f"cannot be checked against its record")
+
+
+def _commit_substance(rec: S.CommitRecord) -> bytes:
+    """What a commit says (files, documents, fingerprint), without when it was made or how long it took."""
+    import dataclasses
+    return S.CommitRecord(**{**{f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)},
+                             "committed_at": None, "timings": {}}).to_bytes()
 
 
 # ------------------------------------------------------------------------------------------------

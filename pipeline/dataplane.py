@@ -142,7 +142,9 @@ def _portable_model(model: dict, memory: str, adapters: str | None) -> tuple[dic
 
 def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tuple[dict, dict, list[str]]:
     """-> (valid commit records by group, {doc_id: latest ok/failed entry info}, problems).
-    A group whose files do not match its record is taken out of the committed set (redone)."""
+    A group whose files do not match its record is taken out of the committed set (redone).
+    A document's info holds its state's and notes parts' FileRef dicts (path, size, sha256): readers
+    check the bytes against them."""
     commits, problems = store.load_commits()
     sizes = store.file_sizes() if commits else {}
     valid, damaged = {}, {}
@@ -185,8 +187,9 @@ def documents_of(valid: dict, damaged: dict | None = None) -> dict:
         for e in rec.documents:
             if e.status == "ok" and e.doc_id in docs:
                 docs[e.doc_id]["shas"].add(e.text_sha256)
-                if rec.notes is not None and e.n_notes and rec.notes.path not in docs[e.doc_id]["notes_files"]:
-                    docs[e.doc_id]["notes_files"].append(rec.notes.path)
+                if rec.notes is not None and e.n_notes and \
+                        all(f["path"] != rec.notes.path for f in docs[e.doc_id]["notes_files"]):
+                    docs[e.doc_id]["notes_files"].append(dict(rec.notes.__dict__))
     return docs
 
 
@@ -338,6 +341,12 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
         fp = memory_run_fingerprint(cfg, info)
         store.check_or_write_run(fp, defaults={"memory": "notebank"})
         valid, committed, problems = committed_documents(store, cfg.verify)
+        # files no commit names (a write that never committed, a group just taken out) are deleted
+        # now; a group redone below writes them again
+        orphans = store.clean_unreferenced(valid, store.file_sizes(), lease)
+        if orphans:
+            problems.append(f"deleted {len(orphans)} data files that no commit record names (e.g. "
+                            f"{store.url_of(orphans[0])}): left by a write that did not commit")
         for p in problems:
             log.warning("%s", p)
         scans = (ray.data.from_items([{"shard": s} for s in shards])
@@ -349,7 +358,10 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
             log.warning("%s", n)
         problems += notes
         if redo:
-            # a redone group is planned like one never committed: its record is overwritten at its commit
+            # a redone group is planned like one never committed: its record is set aside first (commit
+            # records are create-only, pipeline/archive.py), and its files are written again at its commit
+            for g in redo:
+                store.invalidate(g)
             valid = {g: rec for g, rec in valid.items() if g not in redo}
             committed = documents_of(valid)
         plan, counts = plan_groups(scans, valid, committed, cfg, {g: r["retried"] for g, r in redo.items()})

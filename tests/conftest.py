@@ -11,6 +11,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from s3_server import S3Server, aws_env, listening_socket  # noqa: E402
+
+# The S3 endpoint's port is bound now, before any ray.init: Ray workers see the AWS_* variables only
+# through the session's runtime_env, fixed when Ray starts (the server itself starts on first use).
+S3_SOCKET = listening_socket()
+S3_PORT = S3_SOCKET.getsockname()[1]
+
 # Tiny real model for pipeline tests: transformers Qwen3.5 text, all linear_attention (pure GDN),
 # hidden 64, 2 layers, random init; byte-level tokenizer (1 token per byte).
 TINY_MODEL = {
@@ -36,9 +43,19 @@ def ray_session():
     if not ray.is_initialized():
         # address="local": never attach to some other `ray start` cluster on this machine.
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+                                           **aws_env(S3_PORT)}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 API (moto's server) on 127.0.0.1:S3_PORT with one bucket; AWS_* set in this process
+    (Ray workers get them from `ray_session`'s runtime_env). `s3.url("name")` is a fresh s3:// prefix."""
+    srv = S3Server(S3_SOCKET).start()
+    yield srv
+    srv.stop()
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] = ()) -> Path:
