@@ -21,7 +21,6 @@ Public surface (what pipeline/ and jobs/ use):
     arc.documents(); arc.notes("doc-0"); arc.ask("doc-0", "What is ...?").answer
 """
 from nbcore.config import NoteBankConfig, ReadConfig
-from nbcore.notebank.archive import Archive
 
 __all__ = ["NoteBankConfig", "ReadConfig", "Archive", "load_backbone", "ingest", "append", "answer", "open_archive"]
 
@@ -47,6 +46,9 @@ def __getattr__(name):
         # nbcore name that reaches into pipeline/, lazily, so `import nbcore` stays pure PyTorch.
         from notebank.pipeline.notebook import open_archive
         return open_archive
+    if name == "Archive":              # lazy too: configs are checked before torch is imported
+        from nbcore.notebank.archive import Archive
+        return Archive
     if name == "WriterCarry":
         from nbcore.notebank.write import WriterCarry
         return WriterCarry

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from nbcore.config import NoteBankConfig, ReadConfig
+from nbcore.config import PAPER_READ, NoteBankConfig, ReadConfig
 
 
 class ConfigError(ValueError):
@@ -330,6 +330,25 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
+READ_PRESETS = {"paper": PAPER_READ,          # the paper's read: router native (Eq. 5), no reset
+                "best": {"router": ReadConfig.router, "lam": None,   # the defaults: best measured (docs/results.md)
+                         "reset_above_tokens": ReadConfig.reset_above_tokens}}
+
+
+def _apply_read_preset(data: dict) -> None:
+    """`read.preset: paper | best` sets read.router, read.lam and read.reset_above_tokens together
+    (over the same keys given beside it: the preset is the one setting that switches the read)."""
+    read = data.get("read")
+    if not isinstance(read, dict) or "preset" not in read:
+        return
+    name = read.pop("preset")
+    if name is None:
+        return
+    if name not in READ_PRESETS:
+        raise ConfigError(f"read.preset must be one of {sorted(READ_PRESETS)} or null, got {name!r}")
+    read.update(READ_PRESETS[name])
+
+
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
     """YAML file (optional) + overrides -> validated `cls` instance."""
     data: dict = {}
@@ -344,6 +363,7 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     data = _deep_merge(data, parse_overrides(overrides or []))
+    _apply_read_preset(data)
     # Optional model.hf_config etc. are plain dicts: overrides into them merge, which _deep_merge did.
     cfg = build(cls, data)
     if hasattr(cfg, "validate"):

@@ -36,8 +36,12 @@ class DemoConfig:
         self.model.validate()
         self.actors.validate()
         self.notebank.validate()
+        import dataclasses
         for m in self.methods:
-            ReadConfig(method=m).validate()
+            try:
+                dataclasses.replace(self.read, method=m).validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         return self
 
 

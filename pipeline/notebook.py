@@ -82,7 +82,14 @@ class OpenArchive:
 
     def ask(self, doc_id: str, question: str, method: str = "notebank", **read) -> AskResult:
         """Answer `question` from the document's memory (ReadConfig keys in `read`, e.g. top_r=2,
-        router="bm25", lam=0.0, max_new_tokens=32)."""
+        router="bm25", lam=0.0, max_new_tokens=32). The defaults are the best measured read
+        (router embmax_centered, reset past 32K tokens); preset="paper" gives the paper's."""
+        if "preset" in read:
+            from notebank.pipeline.config import READ_PRESETS
+            preset = read.pop("preset")
+            if preset not in READ_PRESETS:
+                raise ValueError(f"preset must be one of {sorted(READ_PRESETS)}, got {preset!r}")
+            read = {**read, **READ_PRESETS[preset]}
         mem = self._memory()
         d = self._doc(doc_id)
         memory = mem.load_memory(self.store, doc_id, d)

@@ -66,7 +66,7 @@ class LoraTrainConfig:
     max_answer_tokens: int = 47    # answer tokens trained on (+ EOS)
     replay: bool = True            # False: plain-LoRA control (adapters trained without NoteBank)
     top_r: int = 2                 # R (paper trains separate adapters for R = 1 and 2)
-    router: str = "native"         # router choosing the replayed notes (ReadConfig.router)
+    router: str = "embmax_centered"  # router choosing the replayed notes (ReadConfig.router; the paper's: native)
     lam: float | None = None       # state rescale before replay (App. C.3; Mamba-2 uses it)
     answer_lead: str = " "         # prepended to a plain-text answer when the question does not end in whitespace
     block_size: int = 8192         # ingest block (tokens per backbone call)
@@ -93,6 +93,7 @@ class LoraTrainConfig:
         self.nb_config()
         self.lora.validate()
         ReadConfig(method="notebank", top_r=self.top_r, router=self.router, lam=self.lam).validate()
+        self.router = ReadConfig(router=self.router).router          # tf -> native, meanemb -> mean_embedding
         return self
 
     def to_dict(self) -> dict:
