@@ -55,6 +55,8 @@ def run_job(cls, description: str, run, argv=None, errors: tuple = ()) -> int:
     one-line JSON summary. Exceptions in `errors` (user-facing: wrong model, missing input) print
     one line and exit 2; a summary's "failures" list goes to stderr, one line each."""
     cfg = parse(cls, description, argv)
+    if callable(errors):          # imported only now: the config is checked before torch loads
+        errors = errors()
     started = setup(cfg)
     try:
         summary = run(cfg)

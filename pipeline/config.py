@@ -60,8 +60,10 @@ class ModelSpec:
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
         import os
 
-        from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source, is_gguf_source
-        if self.path is not None and (is_gguf_source(self.path, self.gguf_file) or self.path.startswith("pkg:")):
+        gguf = self.path is not None and (bool(self.gguf_file) or self.path.lower().endswith(".gguf")
+                                          or self.path.startswith("pkg:"))     # nbcore.backbones.gguf's rule
+        if gguf:
+            from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source   # (loads torch)
             try:
                 check_source(self.path, self.gguf_file, self.cache_dir)
             except (ModelSourceError, MissingDependency) as e:
@@ -121,6 +123,25 @@ def require_shards(url: str, key: str) -> None:
         list_shards(url)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
+
+
+def require_fields(url: str, key: str, required: tuple[str, ...]) -> None:
+    """The first row of the first shard of `url` has every field in `required`: a corpus or
+    question file written with other field names is refused before any work, naming what it has."""
+    from notebank.pipeline.corpus import iter_raw_rows, list_shards
+    try:
+        fs, paths = list_shards(url)
+        first = next(((row, err) for _, row, err in iter_raw_rows(fs, paths[0], batch_rows=1)), (None, None))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+    row, err = first
+    if err is not None or row is None:
+        return                                   # unreadable rows are reported row by row, with their line
+    found = list(row) if isinstance(row, dict) else []
+    missing = [f for f in required if f not in found]
+    if missing:
+        raise ConfigError(f"{key}: rows need the fields {list(required)}; the first row of {paths[0]} has "
+                          f"{found} (missing {missing}; rename them, e.g. with jq or pandas)")
 
 
 def require_archive(url: str, key: str = "archive") -> None:

@@ -44,6 +44,10 @@ class DemoConfig:
                 raise ConfigError(str(e)) from e
         return self
 
+    def preflight(self):
+        """The checkpoint exists (before Ray starts, the corpus is generated or a model loads)."""
+        self.model.preflight()
+
 
 def make_inputs(cfg, workdir: str) -> tuple[str, str]:
     corpus, questions = os.path.join(workdir, "corpus.jsonl"), os.path.join(workdir, "questions.jsonl")
