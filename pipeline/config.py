@@ -467,6 +467,10 @@ def add_config_args(parser):
     parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (dotted path), value parsed as YAML; repeatable")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--json", action="store_true",
+                        help="end with the one-line JSON summary (for scripts) instead of the table")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep third-party notices (transformers, Hugging Face Hub bars, UserWarnings)")
     return parser
 
 

@@ -133,7 +133,9 @@ def write_results_files(rows, out_dir: str, stats: pd.DataFrame | None = None, c
     """results.json and summary.json from the same entries. -> the flat summary."""
     from notebank.schemas.results import flat_summary, results_document, write_results
     entries, configs, parts = summary_entries(rows, stats, config_of)
+    from notebank.schemas.provenance import provenance
     doc = results_document(entries, configs, benchmark="ruler", versions=versions(), parts=parts,
+                           provenance=provenance(),
                            bootstrap={"n_boot": N_BOOT, "level": LEVEL, "seed": SEED,
                                       "resampling": "examples, within each task (all examples together when "
                                                     "a task has a single example)",
