@@ -64,3 +64,15 @@ def test_job_configs_load_without_torch(module, attr):
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_report_only_refuses_to_rewrite_committed_results(tmp_path):
+    out = REPO / "bench/results/ruler"
+    if not (out / "report.md").exists():
+        pytest.skip("no committed RULER results")
+    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    p, _ = _run(tmp_path, str(REPO / "jobs/evaluate.py"), "-c", str(REPO / "configs/eval_ruler.yaml"),
+                "--report-only", "--set", f"output={out}")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "committed files" in p.stderr and "--force" in p.stderr
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
