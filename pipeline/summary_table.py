@@ -37,6 +37,7 @@ def method_label(method: str, read_config: str | None) -> str:
         from nbcore.config import ReadConfig
         d = json.loads(read_config)
         d["stop"] = tuple(d.get("stop") or ())
+        d.setdefault("reset_above_tokens", None)        # answers written before the rule existed never reset
         return ReadConfig(**d).label()
     except (TypeError, ValueError):
         return method
