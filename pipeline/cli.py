@@ -44,6 +44,9 @@ def parse(cls, description: str, argv=None, extra_args=()):
 def setup(cfg):
     from notebank.pipeline.pool import init_ray
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not getattr(cfg.ray, "address", None) and not os.environ.get("RAY_ADDRESS"):
+        # the phase a person waits through before the first progress bar (20-60 s on a busy machine)
+        print("starting a local Ray, then loading the model ...", file=sys.stderr, flush=True)
     return init_ray(cfg.ray)
 
 
