@@ -59,9 +59,10 @@ def answer_rows(answers_url: str) -> list[dict]:
 
 
 def method_rows(rows: list[dict]) -> list[dict]:
-    """[{method, score, n, ci, s_per_answer, failed}] in first-seen order."""
+    """[{method, score, n, ci, s_per_answer, failed}]: plain, jrt, notebank reads, clean_start, others."""
+    order = {"plain": 0, "jrt": 1, "notebank": 2, "clean_start": 3}
     groups: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (order.get(r["method"], 4), r["method"])):
         groups.setdefault(method_label(r["method"], r.get("read_config")), []).append(r)
     out = []
     for label, rs in groups.items():
