@@ -90,7 +90,7 @@ def scores_table(rows: list[dict]) -> str:
                      "—" if m["s_per_answer"] is None else f"{m['s_per_answer']:.2f}",
                      str(m["failed"])])
     table = format_table(["method", "score", "n", "95% CI", "s/answer", "failed"], body)
-    notes = [NOTES[k] for k in NOTES if any(m["method"] == k for m in method_rows(rows))]
+    notes = [NOTES[m["method"]] for m in method_rows(rows) if m["method"] in NOTES]
     return "\n".join([table, *notes])
 
 
