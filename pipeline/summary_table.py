@@ -133,8 +133,12 @@ def render(summary: dict) -> str:
 
 
 def _query_lines(s: dict) -> list[str]:
-    out = [f"query: {s.get('questions_ok', 0)} questions answered, {s.get('questions_failed', 0)} failed"
-           + (f" ({s['wall_s']:.0f} s)" if s.get("wall_s") is not None else "")]
+    if not s.get("rows") and s.get("already_answered") and not s.get("questions_failed"):
+        out = [f"query: nothing to do: all {s['already_answered']} (question, method) pairs are already answered "
+               f"in {s.get('output')}; the table below is read from there"]
+    else:
+        out = [f"query: {s.get('questions_ok', 0)} questions answered, {s.get('questions_failed', 0)} failed"
+               + (f" ({s['wall_s']:.0f} s)" if s.get("wall_s") is not None else "")]
     if s.get("output"):
         try:
             rows = answer_rows(s["output"])

@@ -30,6 +30,8 @@ def test_method_rows_and_labels():
 def test_ingest_with_nothing_to_do_says_so():
     text = render({"docs_ok": 0, "docs_skipped": 3, "docs_failed": 0, "output": "out/a"})
     assert "nothing to do: all 3 documents are already archived" in text
+    q = render({"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": 6, "output": None})
+    assert "nothing to do: all 6 (question, method) pairs are already answered" in q
 
 
 def test_results_table_cells_have_ci_and_n():
