@@ -22,3 +22,30 @@ def quiet_third_party() -> None:
         os.environ.setdefault(k, v)
     for cat in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=cat)
+
+
+FALLBACK_NOTICE = "falling back to its reference PyTorch implementation"
+
+
+class _DropKernelFallback:
+    """A logging filter: drops transformers' kernel-fallback notices (on CPU the project's own kernels
+    run, so "correct but much slower" does not describe what happens)."""
+
+    def filter(self, record) -> bool:
+        return FALLBACK_NOTICE not in record.getMessage()
+
+
+def quiet_in_process() -> None:
+    """For a notebook (open_archive(...).ask): the same notices filtered in this process only, without
+    touching the environment or the user's warning filters: transformers' kernel-fallback notices and
+    its weight-loading bars."""
+    import logging
+    try:
+        from transformers.utils import logging as tlog
+    except ImportError:
+        return
+    tlog.disable_progress_bar()
+    for name in ("transformers", "transformers.integrations.hub_kernels"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _DropKernelFallback) for f in lg.filters):
+            lg.addFilter(_DropKernelFallback())
