@@ -4,8 +4,9 @@
     python jobs/cluster.py head                 # token in ~/.ray/auth_token (0600), dashboard on 127.0.0.1:8265
     RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265 \\
       ray job submit --working-dir . -- python jobs/ingest.py -c configs/ingest.yaml ...
+    python jobs/cluster.py worker --node-manager-port P --object-manager-port Q   # a 2nd node here
     python jobs/cluster.py status
-    python jobs/cluster.py stop                 # this head only (never a bare `ray stop`)
+    python jobs/cluster.py stop                 # this head and its worker nodes only (never a bare `ray stop`)
 
 `python jobs/cluster.py token [--show]` creates the token without starting anything (e.g. on the
 machine that runs `ray up ray_cluster.yaml`). `--help` on each subcommand lists its options.

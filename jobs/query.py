@@ -4,12 +4,15 @@
         --set archive=out/archive --set output=out/answers
     ray job submit --working-dir . -- python jobs/query.py -c configs/query.yaml ...
 
-Last stdout line: {"questions_ok", "questions_failed", "rows", "wall_s", "output", "metric", "mean_score"}.
+Last stdout line: {"questions_ok", "questions_failed", "questions_retried", "rows", "wall_s", "output",
+"metric", "mean_score"}.
 The output is a folder of answers parts (one Parquet dataset), written while the job runs; a rerun
-answers only the missing (question_id, method) pairs.
-Exit status: 0 when every question was answered, 1 when some failed (rows with status "failed"), 2 on
-a config error, missing input, a model/archive fingerprint mismatch, or a refused output (inside the
-archive, held by another run, escaping through a symlink).
+answers the missing (question_id, method) pairs and, with retry_failed: true (the default), the
+failed ones again (their old rows are replaced: one row per pair; column `retried`).
+Exit status: 0 when every question was answered, 1 when some failed (rows with status "failed") or the
+store failed under the job (one line, then a summary with committed_parts/committed_rows), 2 on a
+config error, missing input, a model/archive fingerprint mismatch, or a refused output (inside any
+ingest output, held by another run, escaping through a symlink).
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ def run(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    from notebank.pipeline.query import QueryJobConfig
-    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=user_errors)
+    from notebank.pipeline.query import QueryJobConfig, committed_in_store
+    return run_job(QueryJobConfig, __doc__.splitlines()[0], run, argv, errors=user_errors, committed=committed_in_store)
 
 
 def user_errors() -> tuple:

@@ -20,7 +20,17 @@ Public surface (what pipeline/ and jobs/ use):
     arc = open_archive("out/archive", model="models/tiny-gdn")   # an ingest job's output, in a notebook
     arc.documents(); arc.notes("doc-0"); arc.ask("doc-0", "What is ...?").answer
 """
+from typing import TYPE_CHECKING
+
 from nbcore.config import NoteBankConfig, ReadConfig
+
+if TYPE_CHECKING:   # the lazy names below, visible to static tools (go-to-definition) without importing them
+    from nbcore.backbones import load_backbone
+    from nbcore.memory import (BACKENDS, Memory, MemoryBackend, MemoryFiles, MemoryMismatch, MoneBackend,
+                               NoteBankBackend, get_backend)
+    from nbcore.notebank.write import WriterCarry
+    from nbcore.reader import Answer, IngestResult, answer, append, encode_parts, ingest
+    from notebank.pipeline.notebook import open_archive
 
 __all__ = ["NoteBankConfig", "ReadConfig", "Archive", "load_backbone", "ingest", "append", "answer", "open_archive"]
 

@@ -8,13 +8,7 @@ so that installing the project never adds generic top-level packages (`pipeline`
 `schemas`) that could clash with a user's own. `nbcore` (the pure-PyTorch library) stays a
 top-level package of its own name.
 
-In a checkout (and with `ray job submit --working-dir .`) the three folders sit beside this one at
-the repository root, so the root joins this package's search path; an installed wheel carries them
-inside `notebank/` instead (pyproject.toml's package-dir).
+In a checkout the three names are folder links beside this file (notebank/pipeline -> ../pipeline,
+...): a static tool (pyright, jedi, an IDE) follows them like any package, there is one copy of each
+module, and nothing else of the repository (nbcore, tests, lab) appears under `notebank`.
 """
-import os as _os
-
-_here = _os.path.dirname(_os.path.abspath(__file__))
-_root = _os.path.dirname(_here)
-if not _os.path.isdir(_os.path.join(_here, "pipeline")) and _os.path.isfile(_os.path.join(_root, "pipeline", "__init__.py")):
-    __path__.append(_root)   # noqa: F821 - a checkout: notebank.pipeline is <root>/pipeline

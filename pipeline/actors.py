@@ -35,7 +35,7 @@ from notebank.schemas import archive as S
 from notebank.schemas._base import SchemaError
 
 RECORD_COLUMNS = ("doc_id", "group", "status", "error", "n_tokens", "n_notes", "bytes", "source_shard",
-                  "source_row", "generation", "pid")
+                  "source_row", "generation", "pid", "retried")
 
 
 def _err(e: BaseException) -> str:
@@ -152,10 +152,10 @@ class IngestActor(MemoryLoader):
         for d in sorted(docs, key=lambda d: d["row"]):
             src = {"shard": d["shard"], "row": d["row"]}
             entry = S.DocEntry(doc_id=d.get("doc_id"), key=d.get("key"), status="failed", source=src,
-                               generation=int(d.get("generation", 0)))
+                               generation=int(d.get("generation", 0)), retried=bool(d.get("retried")))
             rec = {"doc_id": entry.doc_id, "group": group, "status": "failed", "error": None, "n_tokens": 0,
                    "n_notes": 0, "bytes": 0, "source_shard": d["shard"], "source_row": d["row"],
-                   "generation": entry.generation, "pid": os.getpid()}
+                   "generation": entry.generation, "pid": os.getpid(), "retried": entry.retried}
             if d["action"] in ("ingest", "append"):
                 try:
                     n_tok, n_new, n_live, n_arch, refs, dim = self._ingest_one(d, entry, note_rows)
@@ -170,6 +170,10 @@ class IngestActor(MemoryLoader):
                 entry.error = d.get("reason") or "rejected"
                 if d["action"] == "skip":
                     entry.status, entry.error = "skipped", None
+            if entry.status == "failed":
+                # the failed text's hash: a rerun retries this row only once its text changes
+                entry.text_sha256 = d.get("text_sha256") or (sha256_text(d["text"]) if isinstance(d.get("text"), str)
+                                                             else None)
             rec.update(status=entry.status, error=entry.error)
             if entry.status == "failed" and d["action"] in ("ingest", "append"):
                 doc_rows.append(self._doc_row(d, entry, 0, 0, None, []))
@@ -285,7 +289,8 @@ class QueryActor(MemoryLoader):
                     err_q = err
                 base = {"question_id": q["question_id"], "doc_id": doc_id, **fields,
                         "answers": json.loads(q["answers"]), "source_shard": q["source_shard"],
-                        "source_row": int(q["source_row"]), "load_s": load_s, **self.provenance}
+                        "source_row": int(q["source_row"]), "load_s": load_s, **self.provenance,
+                        "retried": m in json.loads(q.get("retried") or "[]")}
                 if err_q is not None:
                     out_rows.append({**base, "status": "failed", "error": err_q})
                     continue

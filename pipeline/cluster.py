@@ -2,6 +2,7 @@
 
     python jobs/cluster.py token [--show]     # create the token if there is none (0600, dir 0700)
     python jobs/cluster.py head [--port 6379 --dashboard-port 8265 ...] [-- EXTRA RAY START ARGS]
+    python jobs/cluster.py worker [--num-cpus 1 --node-manager-port P ...] [-- EXTRA RAY START ARGS]
     python jobs/cluster.py status
     python jobs/cluster.py stop
 
@@ -23,6 +24,11 @@ cluster inherits. It records the address, session directory and processes in a s
 (``runs/cluster/head.json`` by default). ``stop`` signals only the processes that carry this
 cluster's marker or descend from its recorded processes (SIGTERM, then SIGKILL after ``--grace``
 seconds): never a bare ``ray stop``, which stops every Ray on the machine.
+
+``worker`` adds a node to the recorded head on this machine (``ray start --address``, its own ports,
+the same token and marker), e.g. a second node for a multi-node test on one host; its processes are
+recorded in the same state file, so ``stop`` stops it with the head. Nodes on other machines join
+the usual way (``RAY_AUTH_MODE=token ray start --address=...`` there, with the token installed).
 
 Only the standard library is imported at module level (psutil, which comes with ray, is imported
 by the commands that need it), so the environment check can run under any interpreter.
@@ -55,6 +61,10 @@ DEPS = ("ray", "torch", "transformers", "tokenizers", "pyarrow", "safetensors", 
 # `ray start` options this CLI sets itself (or that would defeat it): refused after `--`.
 OWNED_RAY_OPTIONS = ("--head", "--address", "--block", "--dashboard-host", "--port", "--dashboard-port",
                      "--temp-dir", "--num-cpus", "--num-gpus", "--node-ip-address")
+# ... and those `worker` sets itself.
+WORKER_OWNED_RAY_OPTIONS = ("--head", "--address", "--block", "--temp-dir", "--num-cpus", "--num-gpus",
+                            "--node-manager-port", "--object-manager-port", "--port", "--dashboard-port",
+                            "--dashboard-host")
 EXIT_OK, EXIT_NOT_RUNNING, EXIT_ERROR = 0, 1, 2
 
 
@@ -346,6 +356,21 @@ def cmd_token(args) -> int:
     return EXIT_OK
 
 
+def _node_env(cid: str, tok: dict) -> dict:
+    """The environment of `ray start` for a node of cluster `cid`: token auth on, the marker, this
+    interpreter's bin first on PATH (a job's `python`), the token's file if it is not the default."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env.update({"RAY_AUTH_MODE": "token", MARKER: cid})
+    bindir = str(Path(sys.executable).parent)           # not resolved: the venv's bin, not the base python's
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    if in_project_venv():
+        env["VIRTUAL_ENV"] = sys.prefix
+        env.pop("PYTHONHOME", None)
+    if tok["source"] == "RAY_AUTH_TOKEN_PATH":
+        env["RAY_AUTH_TOKEN_PATH"] = tok["path"]
+    return env
+
+
 def start_head(args) -> dict:
     check_environment(args.any_python)
     state_path = Path(args.state).absolute()
@@ -363,15 +388,7 @@ def start_head(args) -> dict:
     token = read_token()
 
     cid = secrets.token_hex(8)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update({"RAY_AUTH_MODE": "token", MARKER: cid})
-    bindir = str(Path(sys.executable).parent)           # not resolved: the venv's bin, not the base python's
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    if in_project_venv():
-        env["VIRTUAL_ENV"] = sys.prefix
-        env.pop("PYTHONHOME", None)
-    if tok["source"] == "RAY_AUTH_TOKEN_PATH":
-        env["RAY_AUTH_TOKEN_PATH"] = tok["path"]
+    env = _node_env(cid, tok)
     temp_dir = str(Path(args.temp_dir).absolute()) if args.temp_dir else None
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={args.port}",
            f"--dashboard-host={DASHBOARD_HOST}", f"--dashboard-port={args.dashboard_port}"]
@@ -464,6 +481,121 @@ def cmd_head(args) -> int:
     return EXIT_OK
 
 
+def _node_manager_port(proc) -> int | None:
+    for a in proc.cmdline()[1:]:
+        if a.startswith("--node_manager_port="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+def _alive_node_ports(dashboard_url: str, token: str) -> set[int]:
+    """Node-manager ports of the nodes the head's dashboard lists as alive."""
+    code, body = _http(f"{dashboard_url}/nodes?view=summary", token)
+    if code != 200:
+        return set()
+    return {int(n["raylet"]["nodeManagerPort"]) for n in json.loads(body)["data"]["summary"]
+            if n.get("raylet", {}).get("state") == "ALIVE" and n["raylet"].get("nodeManagerPort")}
+
+
+def start_worker(args) -> dict:
+    """Add a node on this machine to the head recorded in args.state; record its processes there."""
+    import psutil
+    check_environment(args.any_python)
+    for a in args.ray_args:
+        if a.split("=", 1)[0] in WORKER_OWNED_RAY_OPTIONS:
+            raise ClusterError(f"{a!r} after '--': this command sets that itself (see --help)")
+    state_path = Path(args.state).absolute()
+    state = load_state(state_path)
+    if state is None or not state.get("address"):
+        raise ClusterError(f"no head recorded in {state_path}: start one first: python jobs/cluster.py head"
+                           + ("" if state_path == DEFAULT_STATE else f" --state {shlex.quote(str(state_path))}"))
+    before = cluster_processes(state)
+    if not before:
+        raise ClusterError(f"the head recorded in {state_path} is not running (stale state: "
+                           f"{_stop_hint(state_path)} removes it)")
+    tok = ensure_token(create=False)             # the head's token: a node without it is refused
+    token = read_token()
+    env = _node_env(state["cluster_id"], tok)
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--address={state['address']}",
+           f"--node-manager-port={args.node_manager_port}", f"--object-manager-port={args.object_manager_port}"]
+    if args.num_cpus is not None:
+        cmd.append(f"--num-cpus={args.num_cpus}")
+    if args.num_gpus is not None:
+        cmd.append(f"--num-gpus={args.num_gpus}")
+    temp_dir = args.temp_dir or state.get("temp_dir")
+    if temp_dir:
+        cmd.append(f"--temp-dir={Path(temp_dir).absolute()}")
+    cmd += args.ray_args
+    n = len(state.get("workers", []))
+    log_path = state_path.with_suffix(f".worker-{n}.log")
+    old = {p.pid for p in before}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def new_procs():
+        """This node's processes: the cluster's new ones, less those the head's processes started meanwhile."""
+        out = []
+        for p in cluster_processes(state):
+            try:
+                if p.pid not in old and p.pid != proc.pid and not {a.pid for a in p.parents()} & old:
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    def fail(msg: str):
+        try:
+            _terminate(new_procs(), 5)
+        finally:
+            tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        raise ClusterError(f"{msg}\n--- {log_path} (last lines) ---\n{tail}")
+
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        fail(f"`ray start --address={state['address']}` did not finish within {args.timeout:.0f} s")
+    if rc != 0:
+        fail(f"`ray start --address={state['address']}` exited with status {rc}")
+    raylets = []
+    for p in new_procs():
+        try:
+            if p.name() == "raylet" and _node_manager_port(p) == args.node_manager_port:
+                raylets.append(p)
+        except psutil.Error:
+            continue
+    if not raylets:
+        fail("`ray start --address` returned but no raylet of the new node is running")
+    if state.get("dashboard_url"):           # the head lists the node as alive: it joined (with the token)
+        deadline = time.time() + args.timeout
+        while args.node_manager_port not in _alive_node_ports(state["dashboard_url"], token):
+            if time.time() > deadline:
+                fail(f"the head at {state['address']} does not list the node on port {args.node_manager_port} "
+                     f"as alive after {args.timeout:.0f} s")
+            if not _alive(raylets[0]):
+                fail("the new node's raylet exited")
+            time.sleep(0.5)
+    procs = _describe(new_procs())
+    worker = {"node_manager_port": args.node_manager_port, "object_manager_port": args.object_manager_port,
+              "command": cmd, "log": str(log_path), "processes": procs,
+              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    state = load_state(state_path) or state
+    state.setdefault("workers", []).append(worker)
+    state["processes"] = state.get("processes", []) + procs    # `stop` finds them even without the marker
+    _write_state(state_path, state)
+    return {"address": state["address"], "node_manager_port": args.node_manager_port, "state": str(state_path),
+            "log": str(log_path), "pids": [p["pid"] for p in procs]}
+
+
+def cmd_worker(args) -> int:
+    out = start_worker(args)
+    print(f"worker node joined {out['address']} (node manager port {out['node_manager_port']}, "
+          f"{len(out['pids'])} processes); {_stop_hint(Path(out['state']))} stops it with the head", file=sys.stderr)
+    print(json.dumps(out), flush=True)
+    return EXIT_OK
+
+
 def stop_head(state_path: Path, grace: float) -> dict:
     state = load_state(state_path)
     if state is None:
@@ -539,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                "(file 0600, directory 0700). Clients need RAY_AUTH_MODE=token and that token:\n"
                "  RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265 ray job submit ...\n"
                "Exit status: 0 ok, 1 not running (status/stop), 2 refused or failed.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{head,stop,status,token}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{head,worker,stop,status,token}")
 
     def state_arg(sp):
         sp.add_argument("--state", default=str(DEFAULT_STATE),
@@ -562,6 +694,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept an interpreter other than the project's .venv if it has the dependencies")
     state_arg(h)
     h.set_defaults(func=cmd_head)
+
+    w = sub.add_parser("worker", help="add a node on this machine to the recorded head (stopped with it)",
+                       usage="python jobs/cluster.py worker [options] [-- RAY_START_ARGS ...]",
+                       description="Start `ray start --address=<the recorded head>` with RAY_AUTH_MODE=token, the "
+                                   "head's token and marker, on its own ports: a second node on one machine. Its "
+                                   "processes go into the state file; `stop` stops them with the head. Pass the "
+                                   "other per-node ports (--min-worker-port, --dashboard-agent-listen-port, ...) "
+                                   "after '--' when another Ray runs on this machine.")
+    w.add_argument("--num-cpus", type=int, default=None, help="CPUs the node offers (default: all)")
+    w.add_argument("--num-gpus", type=int, default=None, help="GPUs the node offers (default: detected)")
+    w.add_argument("--node-manager-port", type=int, required=True, help="the node's raylet port")
+    w.add_argument("--object-manager-port", type=int, required=True, help="the node's object manager port")
+    w.add_argument("--temp-dir", default=None, help="Ray's temp root for this node (default: the head's)")
+    w.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the node (default %(default)s)")
+    w.add_argument("--any-python", action="store_true",
+                   help="accept an interpreter other than the project's .venv if it has the dependencies")
+    state_arg(w)
+    w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("stop", help="stop the head recorded in --state (only that one)")
     s.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default %(default)s)")
@@ -586,8 +736,8 @@ def main(argv=None) -> int:
         i = argv.index("--")
         argv, ray_args = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    if ray_args and args.command != "head":
-        build_parser().error("arguments after '--' are for `head` only")
+    if ray_args and args.command not in ("head", "worker"):
+        build_parser().error("arguments after '--' are for `head` and `worker` only")
     args.ray_args = ray_args
     try:
         return args.func(args)

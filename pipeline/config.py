@@ -43,6 +43,8 @@ class ModelSpec:
     device: str = "auto"                # auto (cuda if the actor has a GPU) | cpu | cuda
     adapter: str | None = None          # NB-LoRA read adapter (dir or fsspec URL from jobs/train_lora.py):
                                         # on for replay/question/answer only, off for writing and routing
+    streaming: dict | None = None       # {sinks, window}: Llama/Qwen2 checkpoints are read with attention
+                                        # sinks + a sliding window (nbcore.backbones.streaming; defaults there)
 
     def validate(self, where="model"):
         if (self.path is None) == (self.hf_config is None):
@@ -55,6 +57,12 @@ class ModelSpec:
             raise ConfigError(f"{where}.dtype must be float32, bfloat16, float16 or null, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{where}.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.streaming is not None:
+            if not isinstance(self.streaming, dict) or set(self.streaming) - {"sinks", "window"}:
+                raise ConfigError(f"{where}.streaming must be a table with keys sinks and/or window, "
+                                  f"got {self.streaming!r}")
+            if int(self.streaming.get("sinks", 0)) < 0 or int(self.streaming.get("window", 1)) < 1:
+                raise ConfigError(f"{where}.streaming: need sinks >= 0 and window >= 1, got {self.streaming!r}")
 
     def preflight(self, where="model"):
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
@@ -148,6 +156,37 @@ def require_archive(url: str, key: str = "archive") -> None:
     """`url` is an ingest output folder (it has manifest/_run.json)."""
     require_input(url, key, "archive folder")
     require_input(url.rstrip("/") + "/manifest/_run.json", key, "ingest run record (is it an ingest output?)")
+
+
+#: config keys that may hold local paths: inputs (made absolute when they exist here) and outputs
+#: (always made absolute); pkg:, byte/project tokenizers and URLs are left as they are
+LOCAL_INPUT_KEYS = ("corpus", "questions", "archive", "mone_adapters", "model.path", "model.tokenizer",
+                    "model.adapter", "model.cache_dir")
+LOCAL_OUTPUT_KEYS = ("output", "workdir", "out", "run_dir")
+
+
+def absolutize_local_paths(cfg) -> list[str]:
+    """Make the local relative paths of a job config absolute, in place -> ["key=new path", ...].
+    For a job on an existing cluster (`ray.address`): its actors do not run in this folder."""
+    import os
+    changed = []
+    for key in LOCAL_INPUT_KEYS + LOCAL_OUTPUT_KEYS:
+        *parents, name = key.split(".")
+        obj = cfg
+        for p in parents:
+            obj = getattr(obj, p, None)
+        if obj is None or not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+            continue
+        val = getattr(obj, name)
+        if not isinstance(val, str) or not val or os.path.isabs(val) or "://" in val or val.startswith("pkg:") \
+                or val in ("byte", "project"):
+            continue
+        if key in LOCAL_INPUT_KEYS and not os.path.exists(val):
+            continue                        # not a local path (a name, a glob): left to the job's own checks
+        new = os.path.abspath(val)
+        setattr(obj, name, new)
+        changed.append(f"{key}={new}")
+    return changed
 
 
 @dataclass

@@ -281,8 +281,10 @@ def scan_question_shard(item: dict) -> dict:
 
 
 def read_question_rows(item: dict) -> list[dict]:
-    """Ray Data flat_map fn: {"shard", "keep": JSON {row: [methods]}} -> question rows to answer."""
+    """Ray Data flat_map fn: {"shard", "keep": JSON {row: [methods]}, optional "retried": JSON {row:
+    [methods that failed in an earlier run]}} -> question rows to answer."""
     keep = {int(k): v for k, v in json.loads(item["keep"]).items()}
+    retried = {int(k): v for k, v in json.loads(item.get("retried") or "{}").items()}
     out = []
     try:
         for i, raw, err, _at in iter_shard(item["shard"]):
@@ -293,6 +295,7 @@ def read_question_rows(item: dict) -> list[dict]:
                 continue
             out.append({"doc_id": q["doc_id"], "question_id": q["question_id"], "question": q["question"],
                         "answers": json.dumps(q["answers"]), "methods": json.dumps(keep[i]),
+                        "retried": json.dumps(retried.get(i, [])),
                         "source_shard": item["shard"], "source_row": i})
     except ShardError:
         pass   # the scan saw the same failure: those rows were never planned

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import socket
 import sys
 import time
@@ -161,6 +162,12 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
                         damaged[e.doc_id] = "; ".join(own[:3])
             problems.append(f"group {g} is damaged: " + "; ".join(bad[:3]))
         valid[g] = rec
+    return valid, documents_of(valid, damaged), problems
+
+
+def documents_of(valid: dict, damaged: dict | None = None) -> dict:
+    """{doc_id: latest generation's facts} of a set of committed groups; `damaged`: {doc_id: why}
+    for documents whose files are damaged (a read-only caller leaves them out)."""
     docs: dict[str, dict] = {}
     for g, rec in valid.items():
         for e in rec.documents:
@@ -171,7 +178,7 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
                 docs[e.doc_id] = {"group": g, "generation": e.generation, "key": e.key, "n_tokens": e.n_tokens,
                                   "state": [r.__dict__ for r in e.state], "shas": set(),
                                   "notes_files": [], "source": e.source}
-    for doc_id, why in damaged.items():
+    for doc_id, why in (damaged or {}).items():
         docs.setdefault(doc_id, {"shas": set(), "notes_files": []})["damaged"] = \
             f"document {doc_id!r} cannot be read from the archive: {why}"
     for g, rec in valid.items():   # every generation's notes part and text hash
@@ -180,13 +187,66 @@ def committed_documents(store: Archive, verify: bool, repair: bool = True) -> tu
                 docs[e.doc_id]["shas"].add(e.text_sha256)
                 if rec.notes is not None and e.n_notes and rec.notes.path not in docs[e.doc_id]["notes_files"]:
                     docs[e.doc_id]["notes_files"].append(rec.notes.path)
-    return valid, docs, problems
+    return docs
 
 
-def plan_groups(scans: list[dict], committed_groups: dict, committed: dict, cfg) -> tuple[dict, dict]:
-    """-> ({shard: {group: {row: [action, reason, extra]}}}, counters). Decides every row before any
-    model work: ingest / append / skip (same text committed) / fail (bad row, duplicate, other text)."""
+def groups_to_retry(scans: list[dict], valid: dict, cfg) -> tuple[dict, list[str]]:
+    """Committed groups to redo because a row that failed in them now reads differently: it was
+    unreadable (bad JSON, bad UTF-8) and now reads, or its text changed (a failed entry records the
+    text's sha256). A row that still fails to read, or reads the same text, is not retried (it would
+    fail the same way). -> ({group: {"retried": [rows], "rewritten": [rows ok before]}}, notes)."""
     G = cfg.docs_per_group
+    failed_at: dict[tuple, object] = {}
+    for g, rec in valid.items():
+        for e in rec.documents:
+            if e.status == "failed" and e.source and "row" in e.source:
+                failed_at[(g, int(e.source["row"]))] = e
+    redo: dict[str, dict] = {}
+    notes: list[str] = []
+    if not failed_at:
+        return redo, notes
+    n_rows = 0
+    for sc in scans:
+        slug = shard_slug(sc["shard"])
+        for row, doc_id, sha, err, _at in json.loads(sc["rows"]):
+            if cfg.limit is not None and n_rows >= cfg.limit:
+                break
+            n_rows += 1
+            if sc["shard_error"]:
+                continue                      # a shard not readable to its end: its groups stay as committed
+            gid = f"{slug}-{row // G:06d}"
+            e = failed_at.get((gid, row))
+            if e is None or err or doc_id is None or doc_key(doc_id)[1]:
+                continue                      # not a failed row, or still unreadable / an unusable id
+            if e.text_sha256 is not None and e.text_sha256 == sha and e.doc_id == doc_id:
+                continue                      # the same text: it would fail the same way
+            redo.setdefault(gid, {"retried": [], "rewritten": []})["retried"].append(row)
+    # a document of a redone group with a later generation elsewhere (appended since) would be
+    # re-planned against the wrong previous state: such a group is left as it is
+    later: dict[str, int] = {}
+    for g, rec in valid.items():
+        for e in rec.documents:
+            if e.status == "ok" and e.doc_id is not None:
+                later[e.doc_id] = max(later.get(e.doc_id, -1), e.generation)
+    for g in list(redo):
+        stuck = [e.doc_id for e in valid[g].documents if e.status == "ok" and later.get(e.doc_id, -1) > e.generation]
+        if stuck:
+            notes.append(f"group {g}: a failed row reads differently now, but {stuck[:3]} were appended to since; "
+                         "not redone (re-ingest into a new output folder to include it)")
+            del redo[g]
+            continue
+        redo[g]["rewritten"] = [int(e.source["row"]) for e in valid[g].documents
+                                if e.status in ("ok", "skipped") and e.source and "row" in e.source]
+    return redo, notes
+
+
+def plan_groups(scans: list[dict], committed_groups: dict, committed: dict, cfg,
+                retried: dict | None = None) -> tuple[dict, dict]:
+    """-> ({shard: {group: {row: [action, reason, extra]}}}, counters). Decides every row before any
+    model work: ingest / append / skip (same text committed) / fail (bad row, duplicate, other text).
+    `retried`: {group: rows that failed in an earlier run} (marked in their records)."""
+    G = cfg.docs_per_group
+    retried = retried or {}
     plan: dict[str, dict] = {}
     counts = defaultdict(int)
     seen: dict[str, str] = {}
@@ -238,6 +298,10 @@ def plan_groups(scans: list[dict], committed_groups: dict, committed: dict, cfg)
                                 {"doc_id": doc_id}]
                 else:
                     decision = ["ingest", None, {"doc_id": doc_id, "key": key, "generation": 0}]
+            if decision[0] == "fail" and sha is not None:
+                decision[2]["text_sha256"] = sha          # a rerun retries the row only if its text changes
+            if row in retried.get(gid, ()):
+                decision[2]["retried"] = True
             decision[2]["group_id"] = gid
             if gid not in groups:
                 seeks[(shard, gid)] = at               # where the group's first planned row starts
@@ -259,7 +323,8 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
     fs, shard_paths = list_shards(cfg.corpus)                  # a bad corpus path fails here, first
     shards = [fs.unstrip_protocol(p) for p in shard_paths]
     store = Archive(cfg.output)
-    check_no_escape(cfg.output, ["manifest", "notes", "documents", "state", "_lease.json"])
+    from notebank.pipeline.ingest import OUTPUT_WRITES
+    check_no_escape(cfg.output, list(OUTPUT_WRITES))
     store.check_layout()
     with acquire_lease(cfg.output, _run_info("ingest")) as lease:
         lease.start_heartbeat()              # a background thread: the lease stays live on long jobs
@@ -279,9 +344,21 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
                  .map(_scan_corpus, num_cpus=0, concurrency=4).take_all())
         order = {s: i for i, s in enumerate(shards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
-        plan, counts = plan_groups(scans, valid, committed, cfg)
+        redo, notes = groups_to_retry(scans, valid, cfg) if getattr(cfg, "retry_failed", True) else ({}, [])
+        for n in notes:
+            log.warning("%s", n)
+        problems += notes
+        if redo:
+            # a redone group is planned like one never committed: its record is overwritten at its commit
+            valid = {g: rec for g, rec in valid.items() if g not in redo}
+            committed = documents_of(valid)
+        plan, counts = plan_groups(scans, valid, committed, cfg, {g: r["retried"] for g, r in redo.items()})
         stats = dict(docs_ok=0, docs_skipped=counts.get("skipped", 0), docs_failed=0, tokens=0, notes=0, bytes=0,
-                     groups=sum(len(g) for g in plan.values()), shards=len(shards), shards_failed=0)
+                     groups=sum(len(g) for g in plan.values()), shards=len(shards), shards_failed=0,
+                     docs_retried=sum(len(r["retried"]) for r in redo.values()),
+                     docs_retried_ok=0,
+                     docs_rewritten=sum(len(r["rewritten"]) for r in redo.values()),
+                     groups_redone=len(redo))
         failures = []
         for sc in scans:
             if sc["shard_error"]:
@@ -333,6 +410,8 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
 
 def _tally(stats: dict, failures: list, rec: dict) -> None:
     st = rec["status"]
+    if st == "ok" and rec.get("retried"):
+        stats["docs_retried_ok"] += 1
     if st == "ok":
         stats["docs_ok"] += 1
         stats["tokens"] += int(rec["n_tokens"] or 0)
@@ -365,51 +444,65 @@ def _model_dict(spec) -> dict:
 # ------------------------------------------------------------------------------------------------
 # query
 
-def existing_answers(out: Archive) -> tuple[set, list[str]]:
-    """(question_id, method) pairs already in the answers dataset; unreadable parts are set aside."""
+def existing_answers(out: Archive) -> tuple[set, dict, list[str]]:
+    """-> (pairs answered ok, {failed pair: [parts holding its failed rows]}, problems) of the answers
+    dataset; (question_id, method) pairs. A pair answered ok anywhere counts as ok. Unreadable parts
+    are set aside (their answers are redone)."""
     import pyarrow.parquet as pq
-    done, problems = set(), []
+    ok, failed, problems = set(), defaultdict(list), []
     if not out.fs.exists(out.root):
-        return done, problems
+        return ok, {}, problems
     for p in sorted(out.fs.ls(out.root, detail=False)):
         name = p.rsplit("/", 1)[-1]
         if not (name.startswith("part-") and name.endswith(".parquet")):
             continue
         try:
             with out.fs.open(p, "rb") as f:
-                t = pq.read_table(f, columns=["question_id", "method"])
+                t = pq.read_table(f, columns=["question_id", "method", "status"])
         except Exception as e:  # noqa: BLE001 - a damaged part: recomputed
             problems.append(f"{out.fs.unstrip_protocol(p)}: unreadable ({type(e).__name__}), its answers are redone")
             out.fs.mv(p, p + ".damaged")
             continue
-        done.update(zip(t.column("question_id").to_pylist(), t.column("method").to_pylist()))
-    return done, problems
+        for q, m, st in zip(t.column("question_id").to_pylist(), t.column("method").to_pylist(),
+                            t.column("status").to_pylist()):
+            if st == "ok":
+                ok.add((q, m))
+            elif p not in failed[(q, m)]:
+                failed[(q, m)].append(p)
+    return ok, {k: v for k, v in failed.items() if k not in ok}, problems
 
 
 def plan_questions(scans: list[dict], done: set, committed: dict, methods: list[str]):
-    """-> ({shard: {row: [methods]}}, rejected rows, counters)."""
+    """-> ({shard: {row: [methods]}}, rejected rows, counters, {(question_id, method) pairs planned
+    (to answer or to record as rejected)})."""
     keep: dict[str, dict] = {}
     rejected, seen = [], {}
     counts = defaultdict(int)
+    planned: set = set()
+
+    def reject(r: dict) -> None:
+        rejected.append(r)
+        planned.update((str(r["question_id"]), m) for m in (r.get("methods") or ["-"]))
+
     for sc in scans:
         shard = sc["shard"]
         if sc["shard_error"]:
-            rejected.append({"question_id": f"<{shard}>", "doc_id": "", "error": f"shard unreadable: {sc['shard_error']}",
-                             "source_shard": shard, "source_row": -1})
+            reject({"question_id": f"<{shard}>", "doc_id": "", "error": f"shard unreadable: {sc['shard_error']}",
+                    "source_shard": shard, "source_row": -1})
         for row, qid, did, err in json.loads(sc["rows"]):
             counts["rows"] += 1
             src = {"source_shard": shard, "source_row": row}
             if err:
                 if (qid or f"<row {row}>", "-") in done:
                     continue
-                rejected.append({"question_id": qid or f"<row {row}>", "doc_id": did or "",
-                                 "error": f"bad question row ({shard}:{row}): {err}", **src})
+                reject({"question_id": qid or f"<row {row}>", "doc_id": did or "",
+                        "error": f"bad question row ({shard}:{row}): {err}", **src})
                 continue
             if qid in seen:
                 if (qid, "-") in done:
                     continue                                # recorded by an earlier run
-                rejected.append({"question_id": qid, "doc_id": did, "error": f"duplicate question_id (first seen at "
-                                 f"{seen[qid]}); this row was not answered", **src})
+                reject({"question_id": qid, "doc_id": did, "error": f"duplicate question_id (first seen at "
+                        f"{seen[qid]}); this row was not answered", **src})
                 continue
             seen[qid] = f"{shard}:{row}"
             missing = [m for m in methods if (qid, m) not in done]
@@ -419,11 +512,41 @@ def plan_questions(scans: list[dict], done: set, committed: dict, methods: list[
             if did not in committed or "damaged" in committed[did]:
                 why = committed[did]["damaged"] if did in committed else \
                     f"document {did!r} is not archived (or failed at ingest)"
-                rejected.append({"question_id": qid, "doc_id": did, "methods": missing, "error": why, **src})
+                reject({"question_id": qid, "doc_id": did, "methods": missing, "error": why, **src})
                 continue
             keep.setdefault(shard, {})[str(row)] = missing
+            planned.update((qid, m) for m in missing)
             counts["to_answer"] += 1
-    return keep, rejected, dict(counts)
+    return keep, rejected, dict(counts), planned
+
+
+def drop_failed_rows(out: Archive, failed: dict, pairs: set) -> int:
+    """Remove the failed rows of `pairs` from the answers parts that hold them (a part left empty is
+    deleted) -> rows removed. Done before the pairs are answered again, so the dataset never holds
+    two rows for one pair; a run killed in between leaves the pairs missing, and the next run answers
+    them like any missing pair."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from notebank.schemas._base import table_to_parquet_bytes
+    by_part: dict[str, set] = defaultdict(set)
+    for pair in pairs:
+        for part in failed.get(pair, ()):
+            by_part[part].add(pair)
+    removed = 0
+    for part, drop in sorted(by_part.items()):
+        with out.fs.open(part, "rb") as f:
+            t = pq.read_table(f)
+        q, m, st = (t.column(c).to_pylist() for c in ("question_id", "method", "status"))
+        mask = pa.array([not (s != "ok" and (a, b) in drop) for a, b, s in zip(q, m, st)])
+        kept = t.filter(mask)
+        removed += t.num_rows - kept.num_rows
+        rel = posixpath.relpath(part, out.root)
+        if kept.num_rows:
+            out.atomic_write(rel, table_to_parquet_bytes(kept))     # the part's own schema (v2 or v3) kept
+        else:
+            out.fs.rm_file(part)
+    return removed
 
 
 def query_dataset(cfg) -> dict:
@@ -435,6 +558,7 @@ def query_dataset(cfg) -> dict:
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
     check_no_escape(cfg.output, ["_lease.json"])
+    check_query_output(cfg.output, cfg.archive or None)
     fs, q_paths = list_shards(cfg.questions)
     qshards = [fs.unstrip_protocol(p) for p in q_paths]
     if cfg.onepass:
@@ -445,7 +569,6 @@ def query_dataset(cfg) -> dict:
         run = {"fingerprint": {"notebank": cfg.notebank.to_dict() if cfg.memory == "notebank" else None}}
     else:
         _require_shared_store(cfg.archive, "archive")
-        check_query_output(cfg.output, cfg.archive)
         store = Archive(cfg.archive)
         store.check_layout()
         run = store.read_run()
@@ -469,20 +592,28 @@ def query_dataset(cfg) -> dict:
             committed, problems = corpus_locations(cshards), []
         else:
             _valid, committed, problems = committed_documents(store, verify=False, repair=False)
-        done, p2 = existing_answers(out)
+        ok_pairs, failed, p2 = existing_answers(out)
         problems += p2
+        retry = getattr(cfg, "retry_failed", True)
+        done = ok_pairs if retry else ok_pairs | set(failed)
         scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0, concurrency=4).take_all()
         order = {s: i for i, s in enumerate(qshards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         methods = list(cfg.methods)
-        keep, rejected, counts = plan_questions(scans, done, committed, methods)
+        keep, rejected, counts, planned = plan_questions(scans, done, committed, methods)
+        # failed pairs answered again: their old rows go first (one row per pair, at every moment)
+        retried = planned & set(failed)
+        if retried:
+            n = drop_failed_rows(out, failed, retried)
+            log.info("retrying %d failed (question_id, method) pairs (%d old rows removed)", len(retried), n)
         provenance = {"archive": cfg.archive or None, "model_fingerprint": info["fingerprint"],
                       "notebank": json.dumps(nb, sort_keys=True) if nb is not None else None}
-        stats = {"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": counts.get("already_answered", 0)}
+        stats = {"questions_ok": 0, "questions_failed": 0, "rows": 0, "already_answered": counts.get("already_answered", 0),
+                 "questions_retried": len({q for q, _ in retried})}
         per_method: dict[str, list] = defaultdict(list)
         q_status: dict[str, bool] = {}
         if rejected:
-            rows = write_rejected(out, rejected, methods, provenance)
+            rows = write_rejected(out, rejected, methods, provenance, retried)
             for r in rows:
                 q_status[r["question_id"]] = False
             stats["rows"] += len(rows)
@@ -501,7 +632,14 @@ def query_dataset(cfg) -> dict:
                 from nbcore.memory import MONE_READ_KEYS
                 read = {k: v for k, v in read.items() if k in MONE_READ_KEYS}
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
-            ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
+            again: dict[str, dict] = defaultdict(dict)      # {shard: {row: [methods retried]}}
+            for sc in scans:
+                for row, qid, did, err in json.loads(sc["rows"]):
+                    ms = keep.get(sc["shard"], {}).get(str(row))
+                    if ms and any((qid, m) in retried for m in ms):
+                        again[sc["shard"]][str(row)] = [m for m in ms if (qid, m) in retried]
+            ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k), "retried": json.dumps(again.get(s, {}))}
+                                       for s, k in keep.items()])
                   .flat_map(_read_questions, num_cpus=0, concurrency=4)
                   .groupby("doc_id")
                   .map_groups(QueryActor, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),

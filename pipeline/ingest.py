@@ -49,6 +49,8 @@ class IngestJobConfig:
                                            # add; the document continues from its stored state, both memories)
     docs_per_group: int = 64               # corpus rows per group: one notes part + one commit per group
     verify: bool = False                   # rerun: also check committed files' sha256 (not only sizes)
+    retry_failed: bool = True              # rerun: a corpus row that failed before (bad JSON/UTF-8, a failed
+                                           # document) and now reads differently is tried again, its group redone
     state_piece_mib: int = 1024            # states above this are written in pieces of about this size
 
     def validate(self):
@@ -82,12 +84,30 @@ class IngestJobConfig:
         return self
 
     def preflight(self):
-        """Inputs exist: the corpus has shards, the checkpoint is there (no Ray, no model load)."""
+        """Before Ray starts or a model loads: the output folder cannot be escaped (no symlink or '..'
+        leaves it, at any depth: pipeline.safety.check_no_escape), the corpus has shards and the
+        checkpoint is there."""
+        from notebank.pipeline.safety import check_no_escape
+        check_no_escape(self.output, list(OUTPUT_WRITES))
         require_shards(self.corpus, "corpus")
         require_fields(self.corpus, "corpus", ("doc_id", "text"))
         self.model.preflight()
         if self.mone_adapters:
             require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
+
+
+#: what an ingest writes under its output folder (checked by check_no_escape before anything is written)
+OUTPUT_WRITES = ("manifest", "notes", "documents", "state", "_lease.json")
+
+
+def committed_in_store(cfg) -> dict:
+    """What the output holds, read from the store itself (the summary of a job the store failed
+    under): committed groups and their ok documents."""
+    from notebank.pipeline.archive import Archive
+    commits, _problems = Archive(cfg.output).load_commits()
+    return {"committed_groups": len(commits),
+            "committed_docs": sum(e.status == "ok" for rec in commits.values() for e in rec.documents),
+            "output": cfg.output}
 
 
 def sha256_text(text: str) -> str:

@@ -36,6 +36,8 @@ class QueryJobConfig:
     progress: bool = True                 # progress bars (stderr)
     memory: str = "notebank"              # notebank | mone (answer from per-document MoNe state)
     mone_adapters: str | None = None      # mone: meta-trained MoNe parameters dir; default <model.path>/mone
+    retry_failed: bool = True             # rerun: answer failed (question_id, method) pairs again (their failed
+                                          # rows are replaced: one row per pair); false: keep them as they are
 
     @property
     def onepass(self) -> bool:
@@ -72,7 +74,12 @@ class QueryJobConfig:
         return self
 
     def preflight(self):
-        """Inputs exist: questions, the archive (or the one-pass corpus) and the checkpoint."""
+        """Before Ray starts or a model loads: the output cannot be escaped (pipeline.safety.
+        check_no_escape) and is not inside any ingest output (check_query_output); the questions,
+        the archive (or the one-pass corpus) and the checkpoint exist."""
+        from notebank.pipeline.safety import check_no_escape, check_query_output
+        check_no_escape(self.output, ["_lease.json"])
+        check_query_output(self.output, self.archive or None)
         require_shards(self.questions, "questions")
         require_fields(self.questions, "questions", ("question_id", "doc_id", "question"))
         if self.onepass:
@@ -100,6 +107,21 @@ class QueryJobConfig:
         self.model.validate()
         self.actors.validate()
         return self
+
+
+def committed_in_store(cfg) -> dict:
+    """What the answers folder holds, read from the store (the summary of a job the store failed
+    under): answers parts and their rows, ok or failed."""
+    import fsspec
+    import pyarrow.parquet as pq
+    fs, root = fsspec.core.url_to_fs(cfg.output)
+    parts = [p for p in (fs.ls(root, detail=False) if fs.exists(root) else [])
+             if p.rsplit("/", 1)[-1].startswith("part-") and p.endswith(".parquet")]
+    rows = 0
+    for p in parts:
+        with fs.open(p, "rb") as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    return {"committed_parts": len(parts), "committed_rows": rows, "output": cfg.output}
 
 
 def score_fn():
@@ -149,9 +171,11 @@ def answer_rows_table(rows: list[dict]):
     return answers_table(rows)
 
 
-def write_rejected(out, rejected: list[dict], methods: list[str], provenance: dict) -> list[dict]:
+def write_rejected(out, rejected: list[dict], methods: list[str], provenance: dict,
+                   retried: set | frozenset = frozenset()) -> list[dict]:
     """Failed rows for questions that were not answered (bad rows, duplicates, unknown documents),
-    written by the driver as one answers part. -> the rows."""
+    written by the driver as one answers part. `retried`: the (question_id, method) pairs that had
+    failed in an earlier run. -> the rows."""
     import hashlib
     import json as _json
     rows = []
@@ -159,7 +183,8 @@ def write_rejected(out, rejected: list[dict], methods: list[str], provenance: di
         for m in (r.get("methods") or ["-"]):
             rows.append({"question_id": str(r["question_id"]), "doc_id": str(r.get("doc_id") or ""), "method": m,
                          "read_config": "{}", "status": "failed", "error": r["error"],
-                         "source_shard": r.get("source_shard"), "source_row": r.get("source_row"), **provenance})
+                         "source_shard": r.get("source_shard"), "source_row": r.get("source_row"), **provenance,
+                         "retried": (str(r["question_id"]), m) in retried})
     key = hashlib.sha1(_json.dumps(sorted((r["question_id"], r["method"], r["source_row"] or 0) for r in rows)).encode()).hexdigest()[:16]
     from notebank.schemas._base import table_to_parquet_bytes
     out.atomic_write(f"part-rejected-{key}.parquet", table_to_parquet_bytes(answer_rows_table(rows)))

@@ -397,17 +397,24 @@ def _within(base: str, p: str) -> bool:
         return False
 
 
-def check_no_escape(root_url: str, rels: list[str]) -> None:
-    """Refuse (UnsafePath) relative paths that would land outside `root_url`: absolute ones, ones with
-    '..', and, on local filesystems, ones whose existing prefix resolves (symlinks) outside the
-    real root, e.g. a `notes/` symlink to another folder. Non-local filesystems have no symlinks:
-    only the lexical checks apply there."""
+def check_no_escape(root_url: str, rels: list[str] = ()) -> None:
+    """Refuse (UnsafePath) writes that could land outside `root_url`, before anything is written:
+      - relative paths that are absolute or contain '..' (`rels`: what the job will write), and,
+        on local filesystems,
+      - any symlink in the existing folder tree, at any depth, that points outside the real root
+        or points nowhere (a dangling link is followed by the first write through it), e.g.
+        `<output>/manifest/commits -> /elsewhere`; and any existing prefix of `rels` that resolves
+        outside the root.
+    Symlinks are not followed while walking (a link to a folder inside the root is checked as a
+    link, not walked twice). Non-local filesystems have no symlinks: only the lexical checks apply."""
     fs, root = fsspec.core.url_to_fs(root_url)
     split = [(rel, _split_rel(rel)) for rel in rels]
     if not _is_local(fs):
         return
     root = root.rstrip("/") or "/"
     real_root = os.path.realpath(root)
+    if os.path.isdir(real_root):
+        _walk_for_links(root_url, root, real_root)
     checked: set[str] = set()
     for rel, parts in split:
         cur = root
@@ -418,14 +425,39 @@ def check_no_escape(root_url: str, rels: list[str]) -> None:
             if not os.path.lexists(cur):
                 break                                   # nothing below exists yet: created inside
             real = os.path.realpath(cur)
-            if not _within(real_root, real):
-                link = _first_link(root, cur)
-                where = f"{link} is a symlink to {os.readlink(link)!r}" if link else f"{cur} resolves"
-                raise UnsafePath(
-                    f"refusing to write {rel!r} under {root_url}: {where} (resolved: {real}), outside the output "
-                    f"folder {real_root}. Writing through it would put files elsewhere; remove the link or "
-                    "use another output folder.")
+            if not _within(real_root, real) or (os.path.islink(cur) and not os.path.exists(cur)):
+                _refuse_link(root_url, root, cur, real, real_root, what=f"write {rel!r}")
             checked.add(cur)
+
+
+def _walk_for_links(root_url: str, root: str, real_root: str) -> None:
+    """Every symlink under the real root (not followed): it must resolve inside it, to something."""
+    for dirpath, dirnames, filenames in os.walk(real_root, followlinks=False):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                continue
+            real = os.path.realpath(p)
+            if not os.path.exists(p) or not _within(real_root, real):
+                shown = os.path.join(root, os.path.relpath(p, real_root))
+                _refuse_link(root_url, root, shown, real, real_root, what="write into it",
+                             link=p)
+
+
+def _refuse_link(root_url, root, cur, real, real_root, what: str, link: str | None = None):
+    link = link or _first_link(root, cur)
+    if link:
+        shown = os.path.join(root, os.path.relpath(link, real_root)) if _within(real_root, link) else link
+        where = f"{shown} is a symlink to {os.readlink(link)!r} (resolved: {real})"
+    else:
+        where = f"{cur} resolves to {real}"
+    if link and not os.path.exists(link):
+        why = "which does not exist (a dangling link: the first write through it creates its target)"
+    else:
+        why = f"outside the output folder {real_root}"
+    raise UnsafePath(
+        f"refusing to {what} under {root_url}: {where}, {why}. Writing through it would put files "
+        "elsewhere; remove the link (or replace it by a real folder) or use another output folder.")
 
 
 def _first_link(root: str, path: str) -> str | None:
@@ -447,9 +479,47 @@ def _norm(url: str) -> tuple[str, str, bool]:
     return _protocol(fs), path, False
 
 
-def check_query_output(output_url: str, archive_url: str) -> None:
-    """Refuse (UnsafePath) a query output that is the archive folder or inside it (answers written
-    there would overwrite or mix with archive records), and an archive inside the query output."""
+ARCHIVE_MARKS = ("manifest/_run.json", "manifest/commits")   # what makes a folder an ingest output
+
+
+def enclosing_archive(url: str) -> str | None:
+    """The ingest output (a folder holding manifest/_run.json or manifest/commits) that `url` is, or
+    lies inside, at any height; None if there is none. Local paths are resolved (symlinks) first."""
+    proto, path, local = _norm(url)
+    fs = fsspec.filesystem("file") if local else fsspec.core.url_to_fs(url)[0]
+    cur = path
+    while True:
+        for mark in ARCHIVE_MARKS:
+            probe = os.path.join(cur, mark) if local else posixpath.join(cur, mark).lstrip("/")
+            try:
+                if fs.exists(probe):
+                    return cur if local else fs.unstrip_protocol(cur.lstrip("/"))
+            except (OSError, ValueError):
+                pass       # an unreadable ancestor (permissions, no bucket listing): not ours to judge
+        parent = os.path.dirname(cur) if local else posixpath.dirname(cur)
+        if parent == cur or (not local and parent in ("", "/")):
+            return None
+        cur = parent
+
+
+def check_query_output(output_url: str, archive_url: str | None = None) -> None:
+    """Refuse (UnsafePath) a query output that is an ingest output or lies inside one -- the archive
+    being read or any other (answers written there would overwrite or mix with archive records, and
+    a later ingest rerun would see foreign files) -- and an archive inside the query output."""
+    other = enclosing_archive(output_url)
+    if other is not None and archive_url:
+        p_o, o, _ = _norm(other)
+        p_a, a, _ = _norm(archive_url)
+        same = p_o == p_a and o == a
+    else:
+        same = False
+    if other is not None and not same:
+        raise UnsafePath(
+            f"query output {output_url} is inside the ingest output {other} (it holds manifest/_run.json or "
+            "manifest/commits): writing answers there would mix them with that archive's records (manifest/, "
+            "notes/, state/). Choose an output outside every archive.")
+    if not archive_url:
+        return
     p_out, out, local = _norm(output_url)
     p_arc, arc, _ = _norm(archive_url)
     if p_out != p_arc:

@@ -1,5 +1,7 @@
 """Answers Parquet: one row per (question, method). A query job writes a *dataset* of these files
-(`part-*.parquet` in its output folder), readable as one table. v2 added provenance columns."""
+(`part-*.parquet` in its output folder), readable as one table. v2 added provenance columns; v3
+`retried` (the pair had failed in an earlier run and was answered again: its failed row was
+removed)."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -7,7 +9,7 @@ import pyarrow as pa
 from notebank.schemas._base import check_table, with_meta
 
 NAME = "answers"
-VERSION = 2
+VERSION = 3
 
 
 def answers_schema() -> pa.Schema:
@@ -36,6 +38,7 @@ def answers_schema() -> pa.Schema:
         f("archive", pa.string()),                           # provenance: archive URL,
         f("model_fingerprint", pa.string()),                 # the model that answered,
         f("notebank", pa.string()),                          # and the archive's NoteBank config (JSON)
+        f("retried", pa.bool_()),                            # answered again after failing in an earlier run
     ]), NAME, VERSION, {"score.metric": "RULER string_match_all x100 (nbcore.tasks.ruler when present)"})
 
 

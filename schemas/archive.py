@@ -190,6 +190,7 @@ class DocEntry:
     text_sha256: str | None = None
     source: dict | None = None          # {"shard": url, "row": i}
     state: list = field(default_factory=list)   # FileRefs of the state pieces
+    retried: bool = False               # the row had failed in an earlier run and was tried again
 
 
 @dataclass

@@ -216,7 +216,7 @@ def test_channel_counts_of_real_configs(name):
 
 
 def test_unsupported_checkpoint_names_supported_families(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="Supported families.*qwen3_5_text.*mamba2"):
         load_backbone(tmp_path)
     with pytest.raises(FileNotFoundError, match="no config.json"):

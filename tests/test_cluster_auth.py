@@ -140,6 +140,24 @@ def test_head_refuses_a_python_outside_the_project_venv(tmp_path):
     assert not (tmp_path / ".ray").exists() and not (tmp_path / "s.json").exists()   # refused before anything
 
 
+def test_worker_refuses_without_a_running_head_and_options_it_sets(tmp_path):
+    """`worker` joins only a head recorded in --state that is running, and refuses `ray start` options
+    it sets itself, before starting anything."""
+    env = _clean_env(tmp_path, tmp_path)
+    state = tmp_path / "head.json"
+    base = CLI + ["worker", "--state", str(state), "--node-manager-port", "1", "--object-manager-port", "2",
+                  "--any-python"]
+    r = subprocess.run(base + ["--", "--head"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'--head' after '--'" in r.stderr, r.stderr
+    r = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"no head recorded in {state}" in r.stderr, r.stderr
+    state.write_text(json.dumps({"cluster_id": secrets.token_hex(8), "address": "127.0.0.1:1",
+                                 "processes": [{"pid": 1, "create_time": 0.0}]}))
+    r = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is not running" in r.stderr and "stop --state" in r.stderr, r.stderr
+    assert not (tmp_path / ".ray").exists()              # refused before the token was even looked at
+
+
 def test_cluster_yaml_distributes_the_token():
     """ray_cluster.yaml: the launching machine's ~/.ray/auth_token goes to every node (file_mounts reach
     the head on `ray up` and each worker through the head's autoscaler), is installed there as

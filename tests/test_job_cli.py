@@ -106,3 +106,26 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "mone" / "mone_adapters.safetensors").is_file()
     assert (tmp_path / "run").is_dir() and any((tmp_path / "run").iterdir())
+
+
+def test_relative_paths_are_made_absolute_for_an_existing_cluster():
+    """ray.address set: the cluster's actors do not run in this folder, so local relative paths are
+    resolved on the driver (one line says so); $RAY_ADDRESS alone (ray job submit --working-dir ships
+    the folder) changes nothing. --print-config shows the paths as they would be shipped."""
+    import os
+    import yaml
+    args = ["jobs/ingest.py", "--set", "model.path=models/tiny-gdn", "--set", "output=out/archive",
+            "--set", "corpus=data/not-here.jsonl", "--print-config"]
+    p, _ = _run(*args, "--set", "ray.address=10.0.0.1:6379")
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["model"]["path"] == str(REPO / "models/tiny-gdn") and cfg["output"] == str(REPO / "out/archive")
+    assert cfg["corpus"] == "data/not-here.jsonl"          # not a local path here: left to the job's checks
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ray.address=10.0.0.1:6379: local relative paths made absolute" in lines[0]
+    assert f"model.path={REPO / 'models/tiny-gdn'}" in lines[0]
+    env = dict(os.environ, RAY_ADDRESS="10.0.0.1:6379")
+    p = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["model"]["path"] == "models/tiny-gdn" and cfg["output"] == "out/archive"

@@ -85,17 +85,22 @@ def test_query_all_methods(ray_session, archive, tmp_path):
     strip = lambda rs: sorted(({k: v for k, v in r.items() if not k.endswith("_s")} for r in rs),
                               key=lambda r: (r["question_id"], r["method"]))
     assert strip(read_answers(tmp_path / "again").to_pylist()) == strip(rows)
-    # a rerun answers only the missing (question_id, method) pairs: here one new method
+    # with retry_failed: false a rerun answers only the missing (question_id, method) pairs: none here
     n_parts = len(list(out.glob("part-*.parquet")))
-    s3 = run_query(qcfg(archive / "questions.jsonl", archive / "archive", out, methods=["plain", "notebank",
-                                                                                          "clean_start"]))
-    assert s3["rows"] == 0 and len(list(out.glob("part-*.parquet"))) == n_parts
-    s4 = run_query(qcfg(archive / "questions.jsonl", archive / "archive", out,
-                        methods=["plain", "notebank", "clean_start"], read={"max_new_tokens": 6, "lam": 0.5}))
+    s3 = run_query(qcfg(archive / "questions.jsonl", archive / "archive", out, retry_failed=False))
+    assert s3["rows"] == 0 and s3["questions_retried"] == 0 and len(list(out.glob("part-*.parquet"))) == n_parts
+    s4 = run_query(qcfg(archive / "questions.jsonl", archive / "archive", out, retry_failed=False,
+                        read={"max_new_tokens": 6, "lam": 0.5}))
     assert s4["rows"] == 0     # same methods: nothing missing
+    # by default a rerun answers the failed pairs again (they fail again here: nothing was repaired)
+    n_failed = sum(r["status"] == "failed" for r in rows)
+    s5 = run_query(qcfg(archive / "questions.jsonl", archive / "archive", out))
+    assert s5["rows"] == n_failed and s5["questions_retried"] == 3 and s5["questions_failed"] == 3, s5
     rows2 = read_answers(out).to_pylist()
     keys = [(r["question_id"], r["method"]) for r in rows2]
-    assert len(keys) == len(set(keys))          # exactly one row per pair
+    assert len(keys) == len(set(keys)) == len(rows)          # exactly one row per pair
+    assert {(r["question_id"], r["method"]) for r in rows2 if r["retried"]} == \
+        {(r["question_id"], r["method"]) for r in rows if r["status"] == "failed"}
 
 
 def test_duplicate_question_id_is_an_error_row(ray_session, archive, tmp_path):
@@ -130,6 +135,37 @@ def test_query_corrupted_state_and_wrong_model(ray_session, archive, tmp_path):
     with pytest.raises(FingerprintMismatch, match=r"manifest/_run\.json: archives were written with model"):
         run_query(qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "b",
                        model={**TINY_MODEL, "seed": 1}))
+
+
+def test_query_rerun_after_a_repair_answers_the_failed_questions(ray_session, archive, tmp_path):
+    """A damaged state file fails its document's questions; once the file is restored, a plain rerun
+    answers them (retry_failed is the default), the failed rows are gone and the answers equal a fresh
+    query's."""
+    arc = tmp_path / "archive"
+    shutil.copytree(archive / "archive", arc)
+    state = next((arc / "state").glob("doc1.*"))
+    good = state.read_bytes()
+    state.unlink()
+    out = tmp_path / "answers"
+    s1 = run_query(qcfg(archive / "questions.jsonl", arc, out, methods=["plain", "notebank"]))
+    before = read_answers(out).to_pylist()
+    doc1 = {(r["question_id"], r["method"]) for r in before if r["doc_id"] == "doc1"}
+    assert len(doc1) == 4 and all(r["status"] == "failed" for r in before if r["doc_id"] == "doc1")
+    state.write_bytes(good)                                              # the repair
+    s2 = run_query(qcfg(archive / "questions.jsonl", arc, out, methods=["plain", "notebank"]))
+    assert s2["questions_retried"] == 2 + 3 and s2["questions_ok"] == 2, s2     # doc1's two + the 3 hopeless
+    assert s2["questions_failed"] == 3 and s1["questions_failed"] == 5
+    after = read_answers(out).to_pylist()
+    pairs = [(r["question_id"], r["method"]) for r in after]
+    assert len(pairs) == len(set(pairs)) == len(before)                # one row per pair, old failed rows gone
+    by = {(r["question_id"], r["method"]): r for r in after}
+    assert all(by[p]["status"] == "ok" and by[p]["retried"] for p in doc1)
+    assert not any(r["retried"] for r in after if r["status"] == "ok" and (r["question_id"], r["method"]) not in doc1)
+    fresh = tmp_path / "fresh"
+    run_query(qcfg(archive / "questions.jsonl", arc, fresh, methods=["plain", "notebank"]))
+    strip = lambda rs: sorted(({k: v for k, v in r.items() if not k.endswith("_s") and k != "retried"} for r in rs),
+                              key=lambda r: (r["question_id"], r["method"]))
+    assert strip(after) == strip(read_answers(fresh).to_pylist())
 
 
 def test_onepass_sweep(pool):

@@ -217,8 +217,10 @@ def test_symlinked_subfolder_is_refused(tmp_path):
         check_no_escape(str(root), ["state/a.safetensors", "notes/a.parquet"])
     msg = str(e.value)
     assert str(root / "notes") in msg and str(elsewhere) in msg and "symlink" in msg
-    check_no_escape(str(root), ["state/a.safetensors", "manifest/docs/a.json"])   # fine
-    check_no_escape("file://" + str(root), ["state/a.safetensors"])
+    with pytest.raises(UnsafePath, match="symlink"):       # any link that leaves, named in `rels` or not
+        check_no_escape("file://" + str(root), ["state/a.safetensors"])
+    (root / "notes").unlink()
+    check_no_escape("file://" + str(root), ["state/a.safetensors", "notes/a.parquet"])
 
 
 def test_dangling_and_file_symlinks_are_refused(tmp_path):
@@ -293,3 +295,94 @@ def test_query_output_fsspec_urls():
         check_query_output("memory://a/./x/../b", "memory://a")
     check_query_output("memory://ab", "memory://a")
     check_query_output("memory://a", "/a")                               # other filesystem
+
+
+# ---- links at any depth, checked before anything is written ------------------------------------
+def test_symlink_at_depth_pointing_outside_is_refused(tmp_path):
+    root, outside = tmp_path / "archive", tmp_path / "elsewhere"
+    (root / "manifest").mkdir(parents=True)
+    outside.mkdir()
+    (root / "manifest" / "commits").symlink_to(outside)
+    for rels in (["manifest", "notes"], [], ["notes/a.parquet"]):     # found by the walk, named or not
+        with pytest.raises(UnsafePath) as e:
+            check_no_escape(str(root), rels)
+        assert str(root / "manifest" / "commits") in str(e.value) and str(outside) in str(e.value)
+    (root / "manifest" / "commits").unlink()
+    (root / "state" / "deep" / "er").mkdir(parents=True)
+    (root / "state" / "deep" / "er" / "x.safetensors").symlink_to(tmp_path / "not-there")
+    with pytest.raises(UnsafePath, match="dangling"):
+        check_no_escape(str(root), ["manifest"])
+    (root / "state" / "deep" / "er" / "x.safetensors").unlink()
+    (root / "state" / "deep" / "in").symlink_to(root / "manifest")      # points inside: fine
+    check_no_escape(str(root), ["manifest", "state"])
+    (root / "state" / "deep" / "up").symlink_to(root / ".." / "elsewhere")   # '..' that leaves
+    with pytest.raises(UnsafePath, match="outside the output folder"):
+        check_no_escape(str(root), [])
+
+
+def _archive_marks(folder):
+    (folder / "manifest").mkdir(parents=True)
+    (folder / "manifest" / "_run.json").write_text("{}")
+
+
+def test_query_output_inside_any_ingest_output_is_refused(tmp_path):
+    from notebank.pipeline.safety import enclosing_archive
+    read, other = tmp_path / "read", tmp_path / "other"
+    _archive_marks(read)
+    _archive_marks(other)
+    for out in (other, other / "answers", other / "notes" / "deep" / "answers"):
+        assert enclosing_archive(str(out)) == str(other)
+        with pytest.raises(UnsafePath, match=f"inside the ingest output {other}"):
+            check_query_output(str(out), str(read))
+        with pytest.raises(UnsafePath, match="inside the ingest output"):
+            check_query_output(str(out))                           # one-pass mode: no archive read
+    (tmp_path / "alias").symlink_to(other)
+    with pytest.raises(UnsafePath):
+        check_query_output(str(tmp_path / "alias" / "answers"), str(read))
+    check_query_output(str(tmp_path / "answers"), str(read))
+    assert enclosing_archive(str(tmp_path / "answers")) is None
+    # commit records alone (the run record lost) still mark an ingest output; so do other filesystems
+    import fsspec
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/safety-any/arc/manifest/commits/g.json", b"{}")
+    with pytest.raises(UnsafePath, match="memory://"):
+        check_query_output("memory://safety-any/arc/answers", "memory://safety-any/other")
+    check_query_output("memory://safety-any/answers", "memory://safety-any/arc")
+
+
+def _job(args, tmp_path, timeout=60):
+    import os
+    env = dict(os.environ, RAY_TMPDIR=str(tmp_path / "ray-tmp"))
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    return p, time.perf_counter() - t0
+
+
+def test_output_linked_outside_at_depth_exits_2_before_ray_or_model(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"doc_id": "d0", "text": "A sentence."}\n')
+    out, outside = tmp_path / "archive", tmp_path / "outside"
+    (out / "manifest").mkdir(parents=True)
+    outside.mkdir()
+    (out / "manifest" / "commits").symlink_to(outside)
+    # model.path names a checkpoint that loads only in Ray: a model load would need Ray first
+    p, wall = _job(["jobs/ingest.py", "-c", "configs/ingest.yaml", "--set", f"corpus={corpus}",
+                    "--set", f"output={out}"], tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert str(out / "manifest" / "commits") in p.stderr and "symlink" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr                 # one line, no traceback
+    assert not (tmp_path / "ray-tmp").exists() and "Ray" not in p.stderr + p.stdout
+    assert wall < 60 and list(outside.iterdir()) == [] and not (out / "_lease.json").exists()
+
+
+def test_query_output_inside_unrelated_archive_exits_2_before_ray(tmp_path):
+    qs = tmp_path / "q.jsonl"
+    qs.write_text('{"question_id": "q0", "doc_id": "d0", "question": "?", "answers": ["x"]}\n')
+    read, other = tmp_path / "read", tmp_path / "other"
+    _archive_marks(read)
+    _archive_marks(other)
+    p, wall = _job(["jobs/query.py", "-c", "configs/query.yaml", "--set", f"questions={qs}",
+                    "--set", f"archive={read}", "--set", f"output={other / 'answers'}"], tmp_path)
+    assert p.returncode == 2 and f"inside the ingest output {other}" in p.stderr, p.stderr
+    assert not (other / "answers").exists() and not (tmp_path / "ray-tmp").exists()

@@ -14,11 +14,21 @@ SUPPORTED = {
     "qwen3_next": "gdn (transformers qwen3_next)",
     "mamba2": "mamba2 (transformers Mamba2ForCausalLM)",
     "gated_deltanet": "fla-gdn (flash-linear-attention GatedDeltaNetForCausalLM; GPU only)",
+    "llama": "streaming (Llama-architecture Transformer read with attention sinks + a sliding window)",
+    "qwen2": "streaming (Qwen2, as llama)",
+    "mistral": "streaming (Mistral, as llama)",
 }
+STREAMING_TYPES = ("llama", "qwen2", "mistral")
 
 
-def _wrap(model, tokenizer) -> Backbone:
+def _wrap(model, tokenizer, streaming: dict | None = None) -> Backbone:
     mt = model.config.model_type
+    if streaming is not None and mt not in STREAMING_TYPES:
+        raise ValueError(f"streaming options given for a {mt!r} checkpoint; the streaming family reads "
+                         f"{STREAMING_TYPES}")
+    if mt in STREAMING_TYPES:
+        from nbcore.backbones.streaming import StreamingBackbone
+        return StreamingBackbone(model, tokenizer, **_streaming_kwargs(streaming))
     if mt in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
         from nbcore.backbones.hf import GDNBackbone
         return GDNBackbone(model, tokenizer)
@@ -29,6 +39,15 @@ def _wrap(model, tokenizer) -> Backbone:
         from nbcore.backbones.fla import FlaGDNBackbone
         return FlaGDNBackbone(model, tokenizer)
     raise ValueError(_unsupported(mt))
+
+
+def _streaming_kwargs(streaming: dict | None) -> dict:
+    """{sinks, window} of a model spec's `streaming` table (unset keys: the family's defaults)."""
+    streaming = dict(streaming or {})
+    bad = set(streaming) - {"sinks", "window"}
+    if bad:
+        raise ValueError(f"streaming: unknown option(s) {sorted(bad)}; known: sinks, window")
+    return {k: int(v) for k, v in streaming.items()}
 
 
 def _unsupported(mt) -> str:
@@ -56,13 +75,16 @@ def model_from_config(config, seed: int = 0, dtype: torch.dtype = torch.float32)
 
 
 def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtype=None, seed: int = 0, *,
-                  gguf_file: str | None = None, cache_dir: str | None = None) -> Backbone:
+                  gguf_file: str | None = None, cache_dir: str | None = None,
+                  streaming: dict | None = None) -> Backbone:
     """Load a frozen backbone.
 
     spec: a local checkpoint directory (config.json + weights [+ tokenizer files]), a GGUF file,
           a directory with ``gguf_file``, a ``pkg:<package>/<path>`` file (nbcore.backbones.gguf:
           GGUF checkpoints are dequantised once into ``cache_dir``), a transformers config object
           (random init with `seed`), or an already built model.
+    streaming: {sinks, window} for Llama-architecture checkpoints (family `streaming`,
+          nbcore.backbones.streaming; defaults there). Refused for other families.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -88,8 +110,10 @@ def load_backbone(spec, tokenizer=None, device: str | torch.device = "cpu", dtyp
             tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         raise TypeError(f"load_backbone: expected a directory, a transformers config or model, got {type(spec).__name__}")
+    if streaming is not None:
+        _streaming_kwargs(streaming)                 # bad options fail before the model moves
     model = model.to(device)
-    return _wrap(model, tokenizer)
+    return _wrap(model, tokenizer, streaming)
 
 
 __all__ = ["Backbone", "BackboneState", "FeatureTap", "RawTap", "load_backbone", "model_from_config", "SUPPORTED"]

@@ -6,7 +6,8 @@
 
 Keys: path | hf_config (+ seed), tokenizer ("byte", "project", a directory, or the checkpoint's own),
 gguf_file and cache_dir (GGUF sources: nbcore.backbones.gguf; path may also be a .gguf file or pkg:...),
-dtype (float32 | bfloat16 | float16), device (auto | cpu | cuda), adapter (an NB-LoRA read adapter).
+dtype (float32 | bfloat16 | float16), device (auto | cpu | cuda), adapter (an NB-LoRA read adapter),
+streaming ({sinks, window}: Llama-architecture checkpoints, nbcore.backbones.streaming).
 The pipeline's actors and the bench scripts all load models through this module.
 """
 from __future__ import annotations
@@ -76,7 +77,8 @@ def build_backbone(model: dict):
         kw = dict(model["hf_config"])
         target = AutoConfig.for_model(kw.pop("model_type"), **kw)
     bb = load_backbone(target, tokenizer=tok, device=device, dtype=dtype, seed=int(model.get("seed", 0)),
-                       gguf_file=model.get("gguf_file"), cache_dir=model.get("cache_dir"))
+                       gguf_file=model.get("gguf_file"), cache_dir=model.get("cache_dir"),
+                       streaming=model.get("streaming"))
     if model.get("adapter"):
         from nbcore.lora import load_adapter
         load_adapter(bb, model["adapter"])

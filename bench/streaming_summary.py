@@ -1,0 +1,151 @@
+"""The head-to-head table of NoteBank on SmolLM2-135M (streaming: sinks + sliding window), issue 49.
+
+Reads the RULER rows of configs/eval_streaming_smollm2.yaml: `<ruler>/results.parquet` (what the
+repository ships) and every finished cell under `<ruler>/cells/` (a running sweep's; a cell's rows
+replace results.parquet's rows of the same measurement), and writes beside it
+    summary.json   {"smollm2-135m/<method>/<task>/<length>": {"mean": 0-100, "n": examples,
+                    "ci": [low, high] (95% percentile bootstrap over examples), "stderr": ...}, ...}
+                   lengths `4K`, `16K`, `64K`; phrased_niah_heldout reported as `phrased_heldout`
+    summary.md     the table (methods x task/length cells, mean [CI] n)
+    headline.png   niah_single_2 and phrased_heldout: plain vs the NoteBank methods, per length
+
+    python bench/streaming_summary.py [--ruler bench/results/streaming-smollm2/ruler]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+OUT = REPO / "bench" / "results" / "streaming-smollm2"
+TASK_NAMES = {"phrased_niah_heldout": "phrased_heldout"}
+KEY = ["backbone", "budget", "method", "task", "length", "index"]
+METHOD_ORDER = ["icl", "plain", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", "nb-embmax_centered-top2",
+                "nb-embmax_centered-top2-reset", "nb-bm25-top2", "nb-bm25-top2-reset", "nb-oracle-top2",
+                "nb-oracle-top2-reset"]
+HEADLINE_TASKS = ["niah_single_2", "phrased_heldout"]
+
+
+def length_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def read_rows(ruler_dir: Path):
+    """All rows: results.parquet, then the cells (a cell's rows win for the same measurement)."""
+    import pandas as pd
+    frames = []
+    shipped = ruler_dir / "results.parquet"
+    if shipped.is_file():
+        frames.append(pd.read_parquet(shipped))
+    cells = sorted(glob.glob(str(ruler_dir / "cells" / "**" / "*.parquet"), recursive=True))
+    frames += [pd.read_parquet(f) for f in cells]
+    if not frames:
+        return pd.DataFrame(columns=KEY + ["score"])
+    df = pd.concat(frames, ignore_index=True)
+    if "budget" not in df:
+        df["budget"] = "default"
+    return df.drop_duplicates(subset=KEY, keep="last")
+
+
+def summarize(df) -> dict:
+    from nbcore.evals.stats import bootstrap_mean_ci
+    out = {}
+    for (bb, method, task, length), g in df.groupby(["backbone", "method", "task", "length"], sort=True):
+        ci = bootstrap_mean_ci(g.sort_values("index")["score"].to_numpy(dtype=float))
+        key = f"{bb}/{method}/{TASK_NAMES.get(task, task)}/{length_label(int(length))}"
+        out[key] = {"mean": round(ci.estimate, 2), "n": int(ci.n), "ci": [round(ci.low, 2), round(ci.high, 2)],
+                    "stderr": round(ci.stderr, 2)}
+    return out
+
+
+def _order(m: str) -> tuple:
+    return (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m)
+
+
+def _len_order(x: str) -> int:
+    return int(x[:-1]) * 1024 if x.endswith("K") else int(x)
+
+
+def table_md(summary: dict) -> str:
+    keys = [k.split("/") for k in summary]
+    cols = sorted({(t, L) for _, _, t, L in keys}, key=lambda c: (c[0], _len_order(c[1])))
+    lines = []
+    for bb in sorted({k[0] for k in keys}):
+        methods = sorted({m for b, m, _, _ in keys if b == bb}, key=_order)
+        lines += [f"### {bb}", "", "| method | " + " | ".join(f"{t} {L}" for t, L in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for m in methods:
+            cells = []
+            for t, L in cols:
+                r = summary.get(f"{bb}/{m}/{t}/{L}")
+                cells.append(f"{r['mean']:.1f} [{r['ci'][0]:.0f}, {r['ci'][1]:.0f}] n={r['n']}" if r else "")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def headline_png(summary: dict, path: Path) -> bool:
+    rows = [k.split("/") + [v] for k, v in summary.items() if k.split("/")[2] in HEADLINE_TASKS]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(HEADLINE_TASKS), figsize=(6.5 * len(HEADLINE_TASKS), 4), squeeze=False)
+    for ax, task in zip(axes[0], HEADLINE_TASKS):
+        sub = [r for r in rows if r[2] == task]
+        lengths = sorted({r[3] for r in sub}, key=_len_order)
+        methods = sorted({r[1] for r in sub}, key=_order)
+        width = 0.8 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            for x, L in enumerate(lengths):
+                r = next((r[4] for r in sub if r[1] == m and r[3] == L), None)
+                if r is None:
+                    continue
+                ax.bar(x + i * width, r["mean"], width, color=f"C{i % 10}", label=m if x == 0 or L == lengths[0] else None)
+                ax.errorbar(x + i * width, r["mean"], yerr=[[r["mean"] - r["ci"][0]], [r["ci"][1] - r["mean"]]],
+                            color="black", lw=0.8, capsize=2)
+                ax.text(x + i * width, 1, f"n={r['n']}", rotation=90, fontsize=6, ha="center", va="bottom")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(lengths))], lengths)
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(f"SmolLM2-135M streaming (4 sinks + W=1024): {task}")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ruler", default=str(OUT / "ruler"), help="the sweep's output folder")
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = read_rows(Path(a.ruler))
+    summary = summarize(df) if len(df) else {}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    md = ["# NoteBank on SmolLM2-135M-Instruct (streaming: 4 sinks + 1,024-token window)", "",
+          "RULER accuracy (0-100): mean [95% bootstrap CI] n = examples. Rows from "
+          f"`{Path(a.ruler).relative_to(REPO) if Path(a.ruler).is_relative_to(REPO) else a.ruler}` "
+          "(configs/eval_streaming_smollm2.yaml); written by bench/streaming_summary.py.", "",
+          table_md(summary) if summary else "(no finished cells yet)"]
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+    headline_png(summary, out / "headline.png")
+    print(json.dumps({"cells": len(summary), "out": str(out)}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Run (or resume) cells of a RULER sweep config in this process, one after another, without Ray.
+
+The same cells, files and rows as `jobs/evaluate.py` (pipeline/evaluate.py: plan, `run_cell`, one
+Parquet file per finished cell, skipped on rerun), for a machine where starting Ray is not worth it
+or fails (on a shared, overloaded 2-core host `ray.init` timed out: "The current node timed out
+during startup"). The model is loaded once. Reports come from bench/streaming_summary.py (or
+`jobs/evaluate.py ... --set report_only=true` once Ray is usable).
+
+    nice -n 15 python bench/streaming_sweep.py -c configs/eval_streaming_smollm2.yaml \
+        --set 'only_lengths=[16K]' --set 'tasks=[niah_single_2,phrased_niah_heldout]' \
+        --set 'only_backbones=[smollm2-135m]'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-c", "--config", required=True)
+    ap.add_argument("-s", "--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--max-cells", type=int, default=None, help="stop after this many cells")
+    a = ap.parse_args(argv)
+    from notebank.pipeline.config import load_config
+    from notebank.pipeline.evaluate import run_cell
+    from notebank.pipeline.evaluate_ruler import RulerJobConfig
+    from notebank.pipeline.fanout import unfinished
+    cfg = load_config(RulerJobConfig, a.config, a.set).validate()
+    cells, _ = cfg.plan()
+    todo = sorted(unfinished(cfg.output, cells), key=cfg.cell_order)[: a.max_cells]
+    print(json.dumps({"cells": len(cells), "todo": len(todo), "output": cfg.output}), flush=True)
+    results = []
+    for i, cell in enumerate(todo):
+        t0 = time.time()
+        r = run_cell(cell)
+        results.append(r)
+        print(json.dumps({"done": i + 1, "of": len(todo), "path": r["path"], "error": r["error"],
+                          "s": round(time.time() - t0, 1)}), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""bench/streaming_summary.py (the issue-49 table) on hand-made rows, and the sweep's config."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(method, task, length, scores, budget="default"):
+    return [dict(backbone="smollm2-135m", budget=budget, method=method, task=task, length=length, index=i,
+                 score=float(s)) for i, s in enumerate(scores)]
+
+
+def test_summary_keys_means_cis_and_cells_override(tmp_path):
+    from bench.streaming_summary import main
+    ruler = tmp_path / "ruler"
+    (ruler / "cells" / "a").mkdir(parents=True)
+    shipped = _rows("plain", "niah_single_2", 16384, [0, 0, 100, 0]) + \
+        _rows("nb-tf-top2", "phrased_niah_heldout", 4096, [100, 100, 0, 100])
+    pd.DataFrame(shipped).to_parquet(ruler / "results.parquet")
+    # a finished cell re-measured example 2 of plain/niah_single_2/16K: its row wins
+    pd.DataFrame(_rows("plain", "niah_single_2", 16384, [0, 0, 0])[2:]).to_parquet(ruler / "cells" / "a" / "0002.parquet")
+    pd.DataFrame(_rows("nb-oracle-top2-reset", "niah_single_2", 65536, [100, 50])).to_parquet(
+        ruler / "cells" / "a" / "0000.parquet")
+    s = main(["--ruler", str(ruler), "--out", str(tmp_path)])
+    assert set(s) == {"smollm2-135m/plain/niah_single_2/16K", "smollm2-135m/nb-tf-top2/phrased_heldout/4K",
+                      "smollm2-135m/nb-oracle-top2-reset/niah_single_2/64K"}
+    assert s["smollm2-135m/plain/niah_single_2/16K"] == {"mean": 0.0, "n": 4, "ci": [0.0, 0.0], "stderr": 0.0}
+    r = s["smollm2-135m/nb-tf-top2/phrased_heldout/4K"]
+    assert r["mean"] == 75.0 and r["n"] == 4 and r["ci"][0] < 75.0 <= r["ci"][1] <= 100.0
+    assert s["smollm2-135m/nb-oracle-top2-reset/niah_single_2/64K"]["mean"] == 75.0
+    assert json.loads((tmp_path / "summary.json").read_text()) == s
+    md = (tmp_path / "summary.md").read_text()
+    assert "| nb-tf-top2 |" in md and "phrased_heldout 4K" in md
+    assert (tmp_path / "headline.png").stat().st_size > 1000
+
+
+def test_streaming_sweep_config_is_valid():
+    from notebank.pipeline.config import load_config
+    from notebank.pipeline.evaluate_ruler import RulerJobConfig
+    cfg = load_config(RulerJobConfig, REPO / "configs" / "eval_streaming_smollm2.yaml").validate()
+    main, icl = cfg.backbones
+    assert main.model.streaming == {"sinks": 4, "window": 1024} and icl.model.streaming["window"] == 8188
+    assert (icl.label, icl.method_names, cfg.lengths_for(icl)) == ("smollm2-135m", {"plain": "icl"}, ["4K"])
+    assert cfg.examples_at("64K", main) == 10 and cfg.examples_at("16K", main) == 20
+    assert {"plain", "nb-tf-top2-reset", "nb-embmax_centered-top2", "nb-bm25-top2-reset",
+            "nb-oracle-top2-reset"} <= set(cfg.methods_at(main, "16K"))
