@@ -29,6 +29,22 @@ REPORT_ONLY = dict(action="store_true", help=(
     "Unlike `--set report_only=true`, which gathers finished cells into results.parquet first."))
 
 
+FORCE = dict(action="store_true", help="with --report-only / report_only: rewrite the report even where "
+             "its files are committed to git (by default that is refused)")
+
+
+def committed_files(output: str) -> list[str]:
+    """Files under a local `output` folder that git tracks (empty: not in a checkout, or none)."""
+    import subprocess
+    if "://" in output or not os.path.isdir(output):
+        return []
+    try:
+        p = subprocess.run(["git", "-C", output, "ls-files", "--", "."], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return p.stdout.split() if p.returncode == 0 else []
+
+
 def main(argv=None):
     import argparse
 
@@ -41,8 +57,18 @@ def main(argv=None):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    cfg = parse(cls, __doc__.split("\n")[0], argv, extra_args=[(("--report-only",), REPORT_ONLY)])
-    from_results = "--report-only" in (sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    cfg = parse(cls, __doc__.split("\n")[0], argv, extra_args=[(("--report-only",), REPORT_ONLY),
+                                                                (("--force",), FORCE)])
+    from_results = "--report-only" in args
+    if (from_results or getattr(cfg, "report_only", False)) and "--force" not in args:
+        tracked = committed_files(cfg.output)
+        if tracked:
+            print(f"error: {cfg.output} holds {len(tracked)} committed files (e.g. {tracked[0]}); rebuilding the "
+                  f"report there rewrites them. Copy the folder and set output to the copy, e.g.\n"
+                  f"  cp -r {cfg.output} out/report && python jobs/evaluate.py -c CONFIG --report-only "
+                  f"--set output=out/report\nor pass --force to rewrite the committed files.", file=sys.stderr)
+            raise SystemExit(2)
     # report_only / --report-only run no cell: no Ray (starting one on a busy node can time out)
     started = False if from_results or getattr(cfg, "report_only", False) else setup(cfg)
     try:

@@ -32,11 +32,16 @@ def run(cfg) -> dict:
 
 def main(argv=None) -> int:
     from notebank.pipeline.ingest import IngestJobConfig, committed_in_store
+    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=user_errors, committed=committed_in_store)
+
+
+def user_errors() -> tuple:
+    """Errors that are the user's (wrong model, missing input, refused output): one line, exit 2.
+    Imported after the config is checked (pipeline.archive loads torch)."""
     from notebank.pipeline.archive import FingerprintMismatch, LayoutError
-    from notebank.pipeline.safety import OutputBusy, UnsafePath
     from notebank.pipeline.config import ConfigError
-    USER_ERRORS = (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
-    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=USER_ERRORS, committed=committed_in_store)
+    from notebank.pipeline.safety import OutputBusy, UnsafePath
+    return (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Public surface (what pipeline/ and jobs/ use):
 from typing import TYPE_CHECKING
 
 from nbcore.config import NoteBankConfig, ReadConfig
-from nbcore.notebank.archive import Archive
 
 if TYPE_CHECKING:   # the lazy names below, visible to static tools (go-to-definition) without importing them
     from nbcore.backbones import load_backbone
@@ -57,6 +56,9 @@ def __getattr__(name):
         # nbcore name that reaches into pipeline/, lazily, so `import nbcore` stays pure PyTorch.
         from notebank.pipeline.notebook import open_archive
         return open_archive
+    if name == "Archive":              # lazy too: configs are checked before torch is imported
+        from nbcore.notebank.archive import Archive
+        return Archive
     if name == "WriterCarry":
         from nbcore.notebank.write import WriterCarry
         return WriterCarry

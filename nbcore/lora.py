@@ -57,10 +57,11 @@ import shutil
 import tempfile
 import types
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
+
+from nbcore.training.configs import LoraSpec  # noqa: F401  (its home is torch-free: configs are checked first)
 
 ADAPTER_META = "notebank_adapter.json"
 META_VERSION = 1
@@ -72,28 +73,6 @@ PAPER_LAYERS = {
     ("mamba2", 48): (23, 31, 37, 45),    # Mamba-2-1.3B
 }
 _RELATIVE = {"gdn": ((11, 15, 18, 22), 24), "mamba2": ((23, 31, 37, 45), 48)}
-
-
-@dataclass
-class LoraSpec:
-    """Adapter hyper-parameters (App. C.4 defaults). layers: model layer indices (None = default rule)."""
-
-    r: int = 8                         # adapter rank
-    alpha: float = 16.0                # scaling alpha (delta = alpha / r * B A)
-    layers: list[int] | None = None    # layer indices; None: the paper's layers, all layers if <= 4
-    dropout: float = 0.0               # dropout on the adapter input
-
-    def validate(self) -> "LoraSpec":
-        if not isinstance(self.r, int) or self.r <= 0:
-            raise ValueError(f"LoraSpec.r must be a positive int, got {self.r!r}")
-        if not self.alpha or self.alpha <= 0:
-            raise ValueError(f"LoraSpec.alpha must be > 0, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
-        return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _kind(bb) -> str:

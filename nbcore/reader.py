@@ -391,9 +391,7 @@ def answer(bb: Backbone, state: BackboneState, archive: Archive, question, rc: R
             raise ValueError("jrt re-reads the context: pass context_ids")
         bb.forward(s, q_ids, need_logits=False)
         bb.forward(s, torch.as_tensor(np.asarray(context_ids), dtype=torch.long), need_logits=False)
-    lam = rc.lam
-    if rc.method == "clean_start" and lam is None:
-        lam = 0.0
+    lam = rc.lam_for(int(state.n_tokens))
     if lam is not None and rc.method in ("notebank", "clean_start", "plain"):
         bb.reset_state(s, float(lam))
     with bb.reading():                     # read adapters (if any) on: replay, question, answer

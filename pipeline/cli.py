@@ -21,6 +21,10 @@ def parse(cls, description: str, argv=None, extra_args=()):
     for flags, kw in extra_args:
         p.add_argument(*flags, **kw)
     args = p.parse_args(argv)
+    OUTPUT.update(json=args.json, verbose=args.verbose)
+    if not args.verbose:
+        from notebank.pipeline.quiet import quiet_third_party
+        quiet_third_party()
     try:
         cfg = load_config(cls, args.config, args.set)
         resolve_for_cluster(cfg)
@@ -31,6 +35,10 @@ def parse(cls, description: str, argv=None, extra_args=()):
         # Ray starts or a model loads, so a typo costs a second, not a cluster start.
         if hasattr(cfg, "preflight"):
             cfg.preflight()
+        from notebank.schemas.provenance import set_job     # results.json and run records say what ran
+        model = getattr(cfg, "model", None)
+        set_job(job=cls.__name__, model=to_dict(model) if model is not None and hasattr(model, "__dataclass_fields__")
+                else None, config=to_dict(cfg))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -60,6 +68,9 @@ def resolve_for_cluster(cfg) -> list[str]:
 def setup(cfg):
     from notebank.pipeline.pool import init_ray
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not getattr(cfg.ray, "address", None) and not os.environ.get("RAY_ADDRESS"):
+        # the phase a person waits through before the first progress bar (20-60 s on a busy machine)
+        print("starting a local Ray, then loading the model ...", file=sys.stderr, flush=True)
     return init_ray(cfg.ray)
 
 
@@ -69,9 +80,17 @@ def cleanup(started: bool):
         ray.shutdown()
 
 
+OUTPUT = {"json": False, "verbose": False}      # --json / --verbose of the job being run (set by parse)
+
+
 def emit(summary: dict) -> None:
-    """The one-line JSON summary (last line of stdout)."""
-    print(json.dumps(summary, sort_keys=False), flush=True)
+    """The end of a job's stdout: a short table for a person (pipeline/summary_table.py), or with
+    --json the one-line JSON summary (last line of stdout)."""
+    if OUTPUT["json"] or not isinstance(summary, dict):
+        print(json.dumps(summary, sort_keys=False), flush=True)
+        return
+    from notebank.pipeline.summary_table import render
+    print(render(summary), flush=True)
 
 
 def run_job(cls, description: str, run, argv=None, errors: tuple = (), committed=None) -> int:
@@ -84,6 +103,8 @@ def run_job(cls, description: str, run, argv=None, errors: tuple = (), committed
     with what the store holds (`committed(cfg)` -> dict, read after the failure), and exits 1: what
     was committed stays, and a rerun continues from it."""
     cfg = parse(cls, description, argv)
+    if callable(errors):          # imported only now: the config is checked before torch loads
+        errors = errors()
     started = setup(cfg)
     try:
         summary = run(cfg)

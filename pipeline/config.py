@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from nbcore.config import NoteBankConfig, ReadConfig
+from nbcore.config import PAPER_READ, NoteBankConfig, ReadConfig
 
 
 class ConfigError(ValueError):
@@ -68,8 +68,10 @@ class ModelSpec:
         """The checkpoint, tokenizer and adapter exist (before Ray starts or any model loads)."""
         import os
 
-        from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source, is_gguf_source
-        if self.path is not None and (is_gguf_source(self.path, self.gguf_file) or self.path.startswith("pkg:")):
+        gguf = self.path is not None and (bool(self.gguf_file) or self.path.lower().endswith(".gguf")
+                                          or self.path.startswith("pkg:"))     # nbcore.backbones.gguf's rule
+        if gguf:
+            from nbcore.backbones.gguf import MissingDependency, ModelSourceError, check_source   # (loads torch)
             try:
                 check_source(self.path, self.gguf_file, self.cache_dir)
             except (ModelSourceError, MissingDependency) as e:
@@ -129,6 +131,25 @@ def require_shards(url: str, key: str) -> None:
         list_shards(url)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
+
+
+def require_fields(url: str, key: str, required: tuple[str, ...]) -> None:
+    """The first row of the first shard of `url` has every field in `required`: a corpus or
+    question file written with other field names is refused before any work, naming what it has."""
+    from notebank.pipeline.corpus import iter_raw_rows, list_shards
+    try:
+        fs, paths = list_shards(url)
+        first = next(((row, err) for _, row, err in iter_raw_rows(fs, paths[0], batch_rows=1)), (None, None))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+    row, err = first
+    if err is not None or row is None:
+        return                                   # unreadable rows are reported row by row, with their line
+    found = list(row) if isinstance(row, dict) else []
+    missing = [f for f in required if f not in found]
+    if missing:
+        raise ConfigError(f"{key}: rows need the fields {list(required)}; the first row of {paths[0]} has "
+                          f"{found} (missing {missing}; rename them, e.g. with jq or pandas)")
 
 
 def require_archive(url: str, key: str = "archive") -> None:
@@ -369,6 +390,25 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
+READ_PRESETS = {"paper": PAPER_READ,          # the paper's read: router native (Eq. 5), no reset
+                "best": {"router": ReadConfig.router, "lam": None,   # the defaults: best measured (docs/results.md)
+                         "reset_above_tokens": ReadConfig.reset_above_tokens}}
+
+
+def _apply_read_preset(data: dict) -> None:
+    """`read.preset: paper | best` sets read.router, read.lam and read.reset_above_tokens together
+    (over the same keys given beside it: the preset is the one setting that switches the read)."""
+    read = data.get("read")
+    if not isinstance(read, dict) or "preset" not in read:
+        return
+    name = read.pop("preset")
+    if name is None:
+        return
+    if name not in READ_PRESETS:
+        raise ConfigError(f"read.preset must be one of {sorted(READ_PRESETS)} or null, got {name!r}")
+    read.update(READ_PRESETS[name])
+
+
 def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
     """YAML file (optional) + overrides -> validated `cls` instance."""
     data: dict = {}
@@ -383,6 +423,7 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     data = _deep_merge(data, parse_overrides(overrides or []))
+    _apply_read_preset(data)
     # Optional model.hf_config etc. are plain dicts: overrides into them merge, which _deep_merge did.
     cfg = build(cls, data)
     if hasattr(cfg, "validate"):
@@ -465,6 +506,10 @@ def add_config_args(parser):
     parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (dotted path), value parsed as YAML; repeatable")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--json", action="store_true",
+                        help="end with the one-line JSON summary (for scripts) instead of the table")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep third-party notices (transformers, Hugging Face Hub bars, UserWarnings)")
     return parser
 
 

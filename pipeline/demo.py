@@ -36,9 +36,17 @@ class DemoConfig:
         self.model.validate()
         self.actors.validate()
         self.notebank.validate()
+        import dataclasses
         for m in self.methods:
-            ReadConfig(method=m).validate()
+            try:
+                dataclasses.replace(self.read, method=m).validate()
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         return self
+
+    def preflight(self):
+        """The checkpoint exists (before Ray starts, the corpus is generated or a model loads)."""
+        self.model.preflight()
 
 
 def make_inputs(cfg, workdir: str) -> tuple[str, str]:

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 from nbcore.config import NoteBankConfig, ReadConfig
 from notebank.pipeline.config import (MONE_METHODS, ActorSpec, ConfigError, ModelSpec, RaySpec, require_archive,
-                                      require_input, require_shards, validate_memory)
-from notebank.pipeline.store import ArchiveStore
+                                      require_fields, require_input, require_shards, validate_memory)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +90,7 @@ class IngestJobConfig:
         from notebank.pipeline.safety import check_no_escape
         check_no_escape(self.output, list(OUTPUT_WRITES))
         require_shards(self.corpus, "corpus")
+        require_fields(self.corpus, "corpus", ("doc_id", "text"))
         self.model.preflight()
         if self.mone_adapters:
             require_input(self.mone_adapters, "mone_adapters", "MoNe parameters folder")
@@ -131,8 +131,9 @@ def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = 
 # ------------------------------------------------------------------------------------------------
 # the actor-pool baseline's pieces (bench/baseline_pool_ingest.py)
 
-def open_output(output: str) -> ArchiveStore:
+def open_output(output: str) -> "ArchiveStore":  # noqa: F821
     """The output's archive store, with temporary files of a killed run removed."""
+    from notebank.pipeline.store import ArchiveStore   # here: the job config is checked before torch loads
     store = ArchiveStore(output)
     store.clean_tmp()
     return store

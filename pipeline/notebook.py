@@ -31,7 +31,8 @@ class AskResult:
 
 
 class OpenArchive:
-    def __init__(self, url: str, model: str | dict | None = None, device: str = "cpu"):
+    def __init__(self, url: str, model: str | dict | None = None, device: str = "cpu", verbose: bool = False):
+        self.verbose = verbose
         from notebank.pipeline.archive import Archive
         from notebank.pipeline.dataplane import committed_documents, held_memory
         self.store = Archive(url)
@@ -82,7 +83,14 @@ class OpenArchive:
 
     def ask(self, doc_id: str, question: str, method: str = "notebank", **read) -> AskResult:
         """Answer `question` from the document's memory (ReadConfig keys in `read`, e.g. top_r=2,
-        router="bm25", lam=0.0, max_new_tokens=32)."""
+        router="bm25", lam=0.0, max_new_tokens=32). The defaults are the best measured read
+        (router embmax_centered, reset past 32K tokens); preset="paper" gives the paper's."""
+        if "preset" in read:
+            from notebank.pipeline.config import READ_PRESETS
+            preset = read.pop("preset")
+            if preset not in READ_PRESETS:
+                raise ValueError(f"preset must be one of {sorted(READ_PRESETS)}, got {preset!r}")
+            read = {**read, **READ_PRESETS[preset]}
         mem = self._memory()
         d = self._doc(doc_id)
         memory = mem.load_memory(self.store, doc_id, d)
@@ -96,13 +104,18 @@ class OpenArchive:
                 raise ValueError("open_archive(url, model=...) is needed to answer: the checkpoint directory that "
                                  "wrote the archive (e.g. models/tiny-gdn)")
             from notebank.pipeline.actors import MemoryLoader
+            if not self.verbose:
+                from notebank.pipeline.quiet import quiet_in_process
+                quiet_in_process()
             nb = self.fingerprint.get("notebank")
             nb = json.loads(nb) if isinstance(nb, str) else (nb or NoteBankConfig().to_dict())
             self._mem = MemoryLoader(self._model, self.memory, nb, 8192, None, 0)
         return self._mem
 
 
-def open_archive(url: str, model: str | dict | None = None, device: str = "cpu") -> OpenArchive:
+def open_archive(url: str, model: str | dict | None = None, device: str = "cpu",
+                 verbose: bool = False) -> OpenArchive:
     """Open an ingest output folder (local path or fsspec URL). `model`: the checkpoint dir (or a
-    ModelSpec dict) that wrote it, needed only to `ask`."""
-    return OpenArchive(url, model, device)
+    ModelSpec dict) that wrote it, needed only to `ask`. verbose: keep transformers' kernel-fallback
+    notices and weight-loading bars (filtered by default)."""
+    return OpenArchive(url, model, device, verbose)

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 from nbcore.config import NoteBankConfig, ReadConfig
 from notebank.pipeline.config import (MONE_METHODS, ActorSpec, ConfigError, ModelSpec, RaySpec, require_archive,
-                                      require_input, require_shards, validate_memory)
-from notebank.pipeline.worker import rc_json_of
-from notebank.schemas._base import table_to_parquet_bytes
-from notebank.schemas.answers import answers_table
+                                      require_fields, require_input, require_shards, validate_memory)
+
+
+def rc_json_of(rc) -> str:
+    from notebank.pipeline.worker import rc_json_of as of   # here: the job config is checked before torch loads
+    return of(rc)
 
 @dataclass
 class QueryJobConfig:
@@ -79,8 +81,10 @@ class QueryJobConfig:
         check_no_escape(self.output, ["_lease.json"])
         check_query_output(self.output, self.archive or None)
         require_shards(self.questions, "questions")
+        require_fields(self.questions, "questions", ("question_id", "doc_id", "question"))
         if self.onepass:
             require_shards(self.corpus, "corpus")
+            require_fields(self.corpus, "corpus", ("doc_id", "text"))
         else:
             require_archive(self.archive)
         self.model.preflight()
@@ -163,6 +167,7 @@ def answer_rows_table(rows: list[dict]):
     for r in rows:
         r.pop("trace", None)
     rows.sort(key=lambda r: (r["doc_id"], r["question_id"], r["method"]))
+    from notebank.schemas.answers import answers_table
     return answers_table(rows)
 
 
@@ -181,6 +186,7 @@ def write_rejected(out, rejected: list[dict], methods: list[str], provenance: di
                          "source_shard": r.get("source_shard"), "source_row": r.get("source_row"), **provenance,
                          "retried": (str(r["question_id"]), m) in retried})
     key = hashlib.sha1(_json.dumps(sorted((r["question_id"], r["method"], r["source_row"] or 0) for r in rows)).encode()).hexdigest()[:16]
+    from notebank.schemas._base import table_to_parquet_bytes
     out.atomic_write(f"part-rejected-{key}.parquet", table_to_parquet_bytes(answer_rows_table(rows)))
     return rows
 

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from nbcore.training.lora import LoraTrainConfig
+from nbcore.training.configs import LoraTrainConfig
 from notebank.pipeline.config import ConfigError, ModelSpec, RaySpec, to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +82,13 @@ class TrainLoraJobConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         return self
+
+    def preflight(self):
+        """The QA rows and the checkpoint exist (before Ray starts or a model loads)."""
+        from notebank.pipeline.config import require_input
+        if self.data:
+            require_input(self.data, "data", "QA rows file")
+        self.model.preflight()
 
     def train_config(self) -> LoraTrainConfig:
         return self.train

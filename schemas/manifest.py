@@ -85,9 +85,15 @@ class DocRecord:
         return cls(**d).validate(where)
 
 
-def run_record(fingerprint: dict, created_at: str) -> bytes:
+def run_record(fingerprint: dict, created_at: str, provenance: dict | None = None) -> bytes:
+    """The archive's run record. `provenance` (schemas/provenance.py: git commit, versions, date, the
+    job's model and config; default: this process's) sits beside the fingerprint, never in it:
+    archives are checked by the fingerprint alone."""
+    if provenance is None:
+        from notebank.schemas.provenance import provenance as current
+        provenance = current()
     return dumps_json({"schema": RUN_NAME, "schema_version": VERSION, "fingerprint": fingerprint,
-                       "created_at": created_at})
+                       "created_at": created_at, "provenance": provenance})
 
 
 def parse_run_record(data: bytes, where: str) -> dict:

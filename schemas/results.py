@@ -20,7 +20,9 @@ Two formats, each versioned and validated when written and when read:
      "configs": {"<config_hash>": {the configuration the hash names}, ...},
      "config_parts": {"<hash>": {a part several configs share, e.g. a model entry}, ...},
      "bootstrap": {"n_boot": ..., "level": ..., "seed": ..., "resampling": ...},
-     "versions": {"results.summary": 1, "notebank": ..., "numpy": ..., ...}}
+     "versions": {"results.summary": 1, "notebank": ..., "numpy": ..., ...},
+     "provenance": {"git": {"commit": ..., "dirty": ...}, "versions": {... torch, transformers, ray ...},
+                    "date": ..., "host": ..., "job": ..., "config": {the job's config}}}   (optional)
 
     config_hash = the first 16 hex digits of the SHA-256 of the configuration's canonical JSON
     (sorted keys); a reader recomputes it. A configuration names the parts it shares with others by
@@ -221,15 +223,19 @@ class SummaryEntry:
 
 
 def results_document(entries: dict[str, SummaryEntry], configs: dict[str, dict], *, benchmark: str,
-                     bootstrap: dict, versions: dict, parts: dict[str, dict] | None = None) -> dict:
+                     bootstrap: dict, versions: dict, parts: dict[str, dict] | None = None,
+                     provenance: dict | None = None) -> dict:
     """The results.json object (validated): entries keyed like summary.json, configs and their shared
-    parts by hash."""
+    parts by hash; `provenance` (schemas/provenance.py: git commit, versions, date, the job's model
+    and config) is kept beside them, outside every config hash."""
     parts = parts or {}
     doc = {"schema": SUMMARY_NAME, "schema_version": SUMMARY_VERSION, "benchmark": benchmark,
            "results": {k: e.to_json() for k, e in sorted(entries.items())},
            "configs": {h: configs[h] for h in sorted(configs)},
            "config_parts": {h: parts[h] for h in sorted(parts)}, "bootstrap": dict(bootstrap),
            "versions": {SUMMARY_NAME: SUMMARY_VERSION, **versions}}
+    if provenance is not None:
+        doc["provenance"] = provenance
     validate_results(doc)
     return doc
 

@@ -13,16 +13,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 MAPPED = {"pipeline": "notebank.pipeline", "jobs": "notebank.jobs", "schemas": "notebank.schemas"}
+# Folders of shipped data inside a package: listed as packages too, or setuptools warns at every
+# install ("Package 'nbcore.tasks.data' is absent from the `packages` configuration").
+DATA_PACKAGES = {"nbcore.tasks.data"}
 
 
 def _source_packages() -> set[str]:
-    out = {"notebank"}
+    out = {"notebank", *DATA_PACKAGES}
     for top in ("nbcore", *MAPPED):
         for init in (REPO / top).rglob("__init__.py"):
             rel = init.parent.relative_to(REPO).parts
             name = ".".join(rel)
             out.add(MAPPED[rel[0]] + name[len(rel[0]):] if rel[0] in MAPPED else name)
     return out
+
+
+def test_data_packages_hold_data_only():
+    for name in DATA_PACKAGES:
+        folder = REPO.joinpath(*name.split("."))
+        assert folder.is_dir() and not list(folder.glob("*.py")), folder
 
 
 def test_package_list_matches_the_folders():

@@ -231,7 +231,7 @@ def test_killed_driver_then_rerun_matches_uninterrupted_run(ray_session, tmp_pat
     cmd = [sys.executable, "jobs/ingest.py", "--set", f"corpus={corpus}", "--set", f"output={out}",
            "--set", f"model={json.dumps(TINY_MODEL)}", "--set", f"notebank={json.dumps(TINY_NB)}",
            "--set", "block_size=512", "--set", "progress=false", "--set", f"ray.address={gcs}",
-           "--set", "docs_per_group=1", "--set", "actors={num_actors: 1, num_cpus: 0, torch_threads: 1}"]
+           "--set", "docs_per_group=1", "--set", "actors={num_actors: 1, num_cpus: 0, torch_threads: 1}", "--json"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:

@@ -33,7 +33,7 @@ def test_130_documents_through_jobs_ingest_and_query(ray_session, tmp_path):
     write_jsonl(tmp_path / "questions.jsonl", qs)
     gcs = ray.get_runtime_context().gcs_address
     common = ["--set", f"ray.address={gcs}", "--set", f"model.path={REPO / 'models/tiny-gdn'}",
-              "--set", "progress=false", "--set", "actors={num_actors: 2, num_cpus: 0, torch_threads: 1}"]
+              "--set", "progress=false", "--set", "actors={num_actors: 2, num_cpus: 0, torch_threads: 1}", "--json"]
     out = tmp_path / "archive"
     r = subprocess.run([sys.executable, "jobs/ingest.py", "-c", "configs/ingest.yaml", "--set",
                         f"corpus={tmp_path / 'corpus'}", "--set", f"output={out}", *common],

@@ -92,7 +92,7 @@ def test_ray_job_submit_ingest(ray_head, tmp_path):
     cmd = ["ray", "job", "submit", "--working-dir", ".", "--", "python", "jobs/ingest.py",
            "-c", "configs/ingest.yaml", "--set", f"corpus={corpus}", "--set", f"output={out}",
            "--set", f"model={json.dumps(TINY_MODEL)}", "--set", f"notebank={json.dumps(TINY_NB)}",
-           "--set", "progress=false"]
+           "--set", "progress=false", "--json"]
     for _ in range(10):   # the job API answers a little before the head's job agent is ready
         r = subprocess.run(cmd, cwd=REPO, env=sub_env, capture_output=True, text=True, timeout=300)
         if r.returncode == 0 or "No available agent" not in r.stdout + r.stderr:

@@ -5,6 +5,8 @@ Method names (the `summary.json` vocabulary):
   nb-<router>-top<R>[-reset]                NoteBank, router tf (= native, paper Eq. 5), bm25,
                                             dense, oracle, random, meanemb or any registered router;
                                             -reset: lam = 0 before replay (App. C.3)
+The router part takes the registry names too (nb-native-top2 = nb-tf-top2, nb-mean_embedding-top2 =
+nb-meanemb-top2); an eval method never applies ReadConfig.reset_above_tokens (no suffix: never reset).
 
 `answer_methods` reads a context ONCE and answers every question with every method, each from its
 own copy of S_T: writing never changes the backbone state, so Plain/JRT/clean-start read the same
@@ -19,9 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from nbcore.config import NoteBankConfig, ReadConfig
+from nbcore.config import ROUTER_ALIASES, NoteBankConfig, ReadConfig  # noqa: F401  (ROUTER_ALIASES: re-exported)
 
-ROUTER_ALIASES = {"tf": "native", "meanemb": "mean_embedding"}
 _NB = re.compile(r"^nb-(?P<router>[a-z0-9_]+)-top(?P<r>\d+)(?P<reset>-reset)?$")
 
 # Native addressing variants beyond the paper: name -> (writer overrides, router). `tf` is the paper.
@@ -53,14 +54,14 @@ def method_config(name: str, max_new_tokens: int = 32, stop: tuple[str, ...] = (
         return ReadConfig(method="plain", **base).validate()
     if name == "jrt":
         return ReadConfig(method="jrt", **base).validate()
-    if name == "clean-start":
+    if name in ("clean-start", "clean_start"):
         return ReadConfig(method="clean_start", lam=0.0, **base).validate()
     m = _NB.match(name)
     if not m:
         raise ValueError(f"unknown method {name!r}: use plain, jrt, clean-start or nb-<router>-top<R>[-reset]")
     router = VARIANTS[m["router"]][1] if m["router"] in VARIANTS else ROUTER_ALIASES.get(m["router"], m["router"])
     return ReadConfig(method="notebank", top_r=int(m["r"]), router=router,
-                      lam=0.0 if m["reset"] else None, **base).validate()
+                      lam=0.0 if m["reset"] else None, reset_above_tokens=None, **base).validate()
 
 
 def replay_reserve(methods: Sequence[str], nb: NoteBankConfig) -> int:

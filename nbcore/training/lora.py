@@ -36,7 +36,7 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from nbcore.config import NoteBankConfig, ReadConfig
 from nbcore.lora import LoraSpec
+from nbcore.training.configs import LoraTrainConfig  # noqa: F401  (torch-free home)
 
 log = logging.getLogger(__name__)
 
@@ -51,64 +52,6 @@ log = logging.getLogger(__name__)
 class BadExample(ValueError):
     """An example that cannot be trained on (the message says why)."""
 
-
-@dataclass
-class LoraTrainConfig:
-    """NB-LoRA training (App. C.4 defaults). This dataclass is the `train:` section of
-    jobs/train_lora.py's config itself (no copy of it there)."""
-
-    updates: int = 600             # AdamW updates
-    examples_per_update: int = 4   # examples accumulated per update (global over workers)
-    lr: float = 5e-4               # AdamW learning rate
-    weight_decay: float = 0.01     # AdamW weight decay
-    clip: float = 1.0              # gradient-norm clip
-    seed: int = 0                  # adapter init and example order
-    max_answer_tokens: int = 47    # answer tokens trained on (+ EOS)
-    replay: bool = True            # False: plain-LoRA control (adapters trained without NoteBank)
-    top_r: int = 2                 # R (paper trains separate adapters for R = 1 and 2)
-    router: str = "native"         # router choosing the replayed notes (ReadConfig.router)
-    lam: float | None = None       # state rescale before replay (App. C.3; Mamba-2 uses it)
-    answer_lead: str = " "         # prepended to a plain-text answer when the question does not end in whitespace
-    block_size: int = 8192         # ingest block (tokens per backbone call)
-    nb: NoteBankConfig = field(default_factory=NoteBankConfig)   # notes and routing, recomputed per example
-    lora: LoraSpec = field(default_factory=LoraSpec)             # adapter rank, alpha, layers, dropout
-
-    def __post_init__(self):
-        # Checkpoints and old callers hand in plain dicts (json): type them here.
-        if isinstance(self.nb, dict):
-            self.nb = NoteBankConfig(**{**NoteBankConfig().to_dict(), **self.nb})
-        if isinstance(self.lora, dict):
-            self.lora = LoraSpec(**self.lora)
-
-    def nb_config(self) -> NoteBankConfig:
-        return self.nb.validate()
-
-    def validate(self) -> "LoraTrainConfig":
-        for name in ("updates", "examples_per_update", "max_answer_tokens", "top_r", "block_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"LoraTrainConfig.{name} must be a positive int, got {v!r}")
-        if self.lr <= 0 or self.weight_decay < 0 or self.clip <= 0:
-            raise ValueError("lr and clip must be > 0, weight_decay >= 0")
-        self.nb_config()
-        self.lora.validate()
-        ReadConfig(method="notebank", top_r=self.top_r, router=self.router, lam=self.lam).validate()
-        return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LoraTrainConfig":
-        known = {f.name for f in fields(cls)}
-        extra = set(d) - known
-        if extra:
-            raise ValueError(f"unknown LoraTrainConfig keys: {sorted(extra)}")
-        return cls(**d)
-
-
-# ---------------------------------------------------------------------------------------------
-# tokens
 
 def _eos_id(bb) -> int:
     tok = bb.tokenizer

@@ -57,7 +57,7 @@ def is_reset(method: str) -> bool:
 def method_label(method: str) -> str:
     """What a figure legend calls a method."""
     fixed = {"plain": "Plain (no memory)", "jrt": "JRT (context read twice)", "clean-start": "clean start",
-             "plain-lora": "Plain + LoRA", "nb-tf-top2": "NoteBank, paper router (tf)",
+             "plain-lora": "Plain + LoRA", "nb-tf-top2": "NoteBank, paper router (native = tf)",
              "nb-oracle-top2-reset": "oracle notes, λ=0 (ceiling)", "nb-lora-top2": "NB-LoRA (tf)"}
     if method in fixed:
         return fixed[method]

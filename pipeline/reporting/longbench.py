@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from nbcore.evals.longbench import CATEGORIES, V1_DATASETS, aggregate_scores
-from notebank.pipeline.reporting.common import as_frame, pyplot, save_figure, start_report, write_markdown
+from notebank.pipeline.reporting.common import as_frame, method_color, pyplot, save_figure, start_report, write_markdown
 
 SUITE_LABELS = {"longbench": "LongBench v1", "longbench_v2": "LongBench v2", "memoryagentbench": "MemoryAgentBench"}
 
@@ -160,18 +160,28 @@ def plot_scores(df, scores: dict, path: str) -> None:
                 groups = sorted(d[d.benchmark == suite]["dataset"].unique()) + ["memoryagentbench_average"]
             w = 0.8 / max(1, len(methods))
             x = np.arange(len(groups))
+            shown = []
             for k, m in enumerate(methods):
                 vals = [scores.get((bb, m), {}).get(g, np.nan) for g in groups]
-                ax.bar(x + k * w, vals, w, label=m)
+                shown += [v for v in vals if v == v]
+                bars = ax.bar(x + k * w, vals, w, label=m, color=method_color(m))
+                # every bar carries its value: a score of 0 is a result, not a missing bar
+                ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in vals], fontsize=6, padding=1)
+            ds = d[d.benchmark == suite]
+            n_q = ds[ds.method == methods[0]].shape[0] if methods else 0
             ax.set_xticks(x + 0.4 - w / 2, [g.replace("longbench_", "").replace("memoryagentbench_", "")
                                             .replace("factconsolidation", "fc") for g in groups],
                           rotation=25, ha="right", fontsize=8)
             ax.set_ylim(0, 103)
             ax.set_ylabel("score (0-100)")
-            ax.set_title(f"{bb}: {SUITE_LABELS[suite]}")
+            ax.set_title(f"{bb}: {SUITE_LABELS[suite]} (n = {n_q} questions per method)")
             ax.grid(axis="y", alpha=0.3)
-            ax.legend(fontsize=7)
-    save_figure(fig, path)
+            if shown and max(shown) == 0:
+                ax.text(0.5, 0.5, "every method scored 0 here", transform=ax.transAxes, ha="center",
+                        va="center", fontsize=10, color="#555555")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=8, frameon=False)
+    save_figure(fig, path, rect=(0, 0.08, 1, 1))
 
 
 def plot_cost(df, path: str) -> None:

@@ -95,51 +95,74 @@ def _methods(df) -> list[str]:
     return [m for m in METHOD_ORDER if m in present] + sorted(m for m in present if m not in METHOD_ORDER)
 
 
+def _length_ticks(ax, lengths) -> None:
+    lengths = sorted(int(x) for x in lengths)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{x // 1024}K" if x >= 1024 and x % 1024 == 0 else str(x) for x in lengths])
+    ax.minorticks_off()
+
+
 def plot_accuracy(df: pd.DataFrame, path: str) -> None:
-    """Score vs context length, one panel per task, one line per method (rag: best K)."""
+    """Score vs context length, one panel per task, one line per method (rag: best K), with 95%
+    error bars (1.96 standard errors over the examples) and n in the legend below the panels."""
     plt = pyplot()
     b = best_rows(df)
     tasks = sorted(b.task_label.unique())
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.9), squeeze=False)
+    handles: dict[str, object] = {}
     for ax, t in zip(axes[0], tasks):
         d = b[b.task_label == t]
-        for i, m in enumerate(_methods(d)):   # distinct markers/sizes: equal scores stay visible
+        for i, m in enumerate(_methods(b)):   # distinct markers/sizes: equal scores stay visible
             dm = d[d.method == m].groupby("length")["score"]
-            g, n = dm.mean(), dm.size()
+            if not len(dm):
+                continue
+            g, n, sd = dm.mean(), dm.size(), dm.std(ddof=1).fillna(0.0)
+            half = 1.96 * sd / np.sqrt(n)
             ns = f"n={int(n.min())}" if n.min() == n.max() else f"n={int(n.min())}-{int(n.max())}"
-            ax.plot(g.index, g.values, linestyle=("-", "--", ":", "-.")[i % 4], marker="os^Dv"[i % 5],
-                    markersize=9 - 2 * (i % 3), color=f"C{i}", label=f"{m} ({ns})")
-        ax.set_xscale("log", base=2)
+            h = ax.errorbar(g.index, g.values, yerr=half.values, linestyle=("-", "--", ":", "-.")[i % 4],
+                            marker="os^Dv"[i % 5], markersize=9 - 2 * (i % 3), color=f"C{i}", capsize=3,
+                            label=f"{m} ({ns} per point)")
+            handles.setdefault(f"{m} ({ns} per point)", h)
+        _length_ticks(ax, d["length"].unique())
         ax.set_ylim(-3, 103)
         ax.set_title(t)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("score (0-100)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    save_figure(fig, path)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)),
+               fontsize=8, frameon=False)
+    fig.suptitle("MoNe vs ICL and RAG: score vs context length (error bars: 95% CI)")
+    save_figure(fig, path, rect=(0, 0.1, 1, 1))
 
 
 def plot_cost(df: pd.DataFrame, path: str) -> None:
     """FLOPs and peak tensor memory per example vs length, write (dashed) vs query (solid), mean over
-    tasks (rag: best K rows). Zero/unmeasured values are left out of the log-scale plot."""
+    tasks (rag: best K rows). Zero/unmeasured values are left out of the log-scale plot. The legend
+    says it in two parts: colour = method, line style = phase."""
+    from matplotlib.lines import Line2D
     plt = pyplot()
     b = best_rows(df)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    methods = _methods(b)
     for ax, (what, label) in zip(axes, (("flops", "FLOPs per example"), ("peak_bytes", "peak tensor memory (bytes)"))):
-        for i, m in enumerate(_methods(b)):
+        for i, m in enumerate(methods):
             d = b[b.method == m]
             for phase, ls in (("write", "--"), ("query", "-")):
                 g = d.groupby("length")[f"{phase}_{what}"].mean()
                 g = g[g > 0]
                 if not g.empty:
-                    ax.plot(g.index, g.values, ls, marker="o", color=f"C{i}", label=f"{m} {phase}")
-        ax.set_xscale("log", base=2)
+                    ax.plot(g.index, g.values, linestyle=ls, marker="o", color=f"C{i}")
+        _length_ticks(ax, b["length"].unique())
         ax.set_yscale("log")
         ax.set_xlabel("context tokens")
         ax.set_title(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
+    handles = [Line2D([], [], color=f"C{i}", marker="o", linestyle="none", label=m) for i, m in enumerate(methods)]
+    handles += [Line2D([], [], color="#333333", linestyle="--", linewidth=1.6, label="write (ingest)"),
+                Line2D([], [], color="#333333", linestyle="-", linewidth=1.6, label="query")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               handlelength=3)
+    save_figure(fig, path, rect=(0, 0.08, 1, 1))
 
 
 def _fmt_num(x) -> str:

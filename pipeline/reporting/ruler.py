@@ -133,7 +133,9 @@ def write_results_files(rows, out_dir: str, stats: pd.DataFrame | None = None, c
     """results.json and summary.json from the same entries. -> the flat summary."""
     from notebank.schemas.results import flat_summary, results_document, write_results
     entries, configs, parts = summary_entries(rows, stats, config_of)
+    from notebank.schemas.provenance import provenance
     doc = results_document(entries, configs, benchmark="ruler", versions=versions(), parts=parts,
+                           provenance=provenance(),
                            bootstrap={"n_boot": N_BOOT, "level": LEVEL, "seed": SEED,
                                       "resampling": "examples, within each task (all examples together when "
                                                     "a task has a single example)",
@@ -421,26 +423,33 @@ def plot_cost(df, st: pd.DataFrame, path: str, order=None) -> None:
 
 
 def plot_coverage(df, path: str, method: str = PAPER_METHOD) -> None:
-    """Archived vs retrieved gold coverage per length for one method (paper Fig. 5a)."""
+    """Archived vs retrieved gold coverage per length for one method (paper Fig. 5a), with 95% error
+    bars (1.96 standard errors over the examples) and n under each length."""
     plt = pyplot()
     d = df[df.method == method]
     if d.empty or "archived_cov" not in d:
         return
     bbs = sorted(d["backbone"].unique())
-    fig, axes = panel_grid(plt, len(bbs), 6.5, 4.2)
+    fig, axes = panel_grid(plt, len(bbs), 6.5, 4.4)
     for ax, bb in zip(axes, bbs):
-        g = d[d.backbone == bb].groupby(["length", "task"])[["archived_cov", "retrieved_cov"]].mean()
+        dd = d[d.backbone == bb]
+        g = dd.groupby(["length", "task"])[["archived_cov", "retrieved_cov"]].mean()
         g = g.groupby("length").mean().sort_index()
+        err = dd.groupby("length")[["archived_cov", "retrieved_cov"]].agg(_half_ci).reindex(g.index)
+        n = dd.groupby("length").size().reindex(g.index)
         x = np.arange(len(g))
-        ax.bar(x - 0.2, g["archived_cov"], 0.4, label="archived", color="#bbbbbb")
-        ax.bar(x + 0.2, g["retrieved_cov"], 0.4, label=f"retrieved ({method})", color=method_color(method))
-        ax.set_xticks(x, [length_label(v) for v in g.index])
+        ax.bar(x - 0.2, g["archived_cov"], 0.4, yerr=err["archived_cov"], capsize=3, label="archived",
+               color="#bbbbbb")
+        ax.bar(x + 0.2, g["retrieved_cov"], 0.4, yerr=err["retrieved_cov"], capsize=3,
+               label=f"retrieved ({method})", color=method_color(method))
+        ax.set_xticks(x, [f"{length_label(v)}\nn={int(n[v])}" for v in g.index])
         ax.set_ylim(0, 1.25)
         ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
         ax.set_ylabel("gold-value coverage")
         ax.set_title(bb)
         ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
-    fig.suptitle(f"Evidence preserved (archived) vs accessed (retrieved), {method} (paper Fig. 5a)")
+    fig.suptitle(f"Evidence preserved (archived) vs accessed (retrieved), {method} (paper Fig. 5a; "
+                 f"bars: 95% CI, n examples)")
     save_figure(fig, path)
 
 
@@ -505,26 +514,52 @@ def coverage_vs_bm25(df, lengths=None, r: int = 2):
     return m
 
 
+HEADLINE_ROUTERS = ("tf", "embmax_centered", "oracle", "bm25", "dense", "meanemb", "random")
+
+
+def _half_ci(x) -> float:
+    """Half the normal-approximation 95% interval of a mean (1.96 standard errors); 0 for n < 2."""
+    x = np.asarray(x, dtype=float)
+    return float(1.96 * x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
+
+
 def plot_router_coverage(df, path: str, r: int = 2) -> None:
-    """Retrieved gold coverage vs length per router (native variants solid, external dashed).
-    Each router in its PALETTE colour, legend below the panels."""
+    """Retrieved gold coverage vs length per router, with 95% bands (1.96 standard errors over the
+    examples) and n in the legend. The headline routers have their PALETTE colours (native solid,
+    external dashed); the other native addressing variants are thin grey lines under one legend
+    entry, so the figure shows seven distinguishable lines, not sixteen similar ones."""
     plt = pyplot()
     t = routers_table(df, r)
     if t.empty:
         return
+    d_ex = df.copy()
+    d_ex["router"] = d_ex["method"].map(lambda m: _router_of(m, r))
+    d_ex = d_ex[d_ex.router.notna()]
+    spread = d_ex.groupby(["backbone", "router", "length"])["retrieved_cov"].agg([_half_ci, "size"])
     bbs = sorted(t.backbone.unique())
-    routers = [x for x in (*NATIVE_VARIANTS, *EXTERNAL_ROUTERS) if x in set(t.router)]
-    routers += sorted(set(t.router) - set(routers))
-    colors = {x: PALETTE.get(x, "#aaaaaa") for x in routers}
     fig, axes = panel_grid(plt, len(bbs), 7, 4.8)
+    others_labelled = False
     for ax, bb in zip(axes, bbs):
         d = t[t.backbone == bb]
-        for router in [x for x in routers if x in set(d.router)]:
+        present = set(d.router)
+        for router in sorted(present - set(HEADLINE_ROUTERS)):       # the other variants: context, not focus
             g = d[d.router == router].sort_values("length")
+            ax.plot(g["length"], g["retrieved_cov"], "-", color="#c8c8c8", linewidth=0.9, zorder=1,
+                    label=None if others_labelled else "other native variants (margin, m4, qnovel, ...)")
+            others_labelled = True
+        n_lo, n_hi = 10 ** 9, 0
+        for router in [x for x in HEADLINE_ROUTERS if x in present]:
+            g = d[d.router == router].sort_values("length")
+            sp = spread.loc[[(bb, router, L) for L in g["length"]]]
+            half, n = sp["_half_ci"].to_numpy(), sp["size"].to_numpy()
             native = router in NATIVE_VARIANTS
+            color = PALETTE.get(router, "#aaaaaa")
+            n_lo, n_hi = min(n_lo, int(n.min())), max(n_hi, int(n.max()))
             ax.plot(g["length"], g["retrieved_cov"], "-" if native else "--", marker="o" if native else "s",
-                    color=colors[router], label=router + ("" if native else " (external)"),
-                    linewidth=2.6 if router in ("tf", "embmax_centered") else 1.2)
+                    color=color, linewidth=2.4 if router in ("tf", "embmax_centered") else 1.4, zorder=3,
+                    label=('native = tf (the paper' + "'s)" if router == 'tf' else router) + ('' if native else ' (external)'))
+            ax.fill_between(g["length"], g["retrieved_cov"] - half, g["retrieved_cov"] + half, color=color,
+                            alpha=0.15, linewidth=0, zorder=2)
         lengths = sorted(d["length"].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [length_label(x) for x in lengths])
@@ -532,11 +567,12 @@ def plot_router_coverage(df, path: str, r: int = 2) -> None:
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"retrieved gold coverage (top-{r})")
-        ax.set_title(bb)
+        ax.set_title(f"{bb} (n = {n_lo}-{n_hi} examples per point)" if n_hi and n_lo != n_hi
+                     else f"{bb} (n = {n_hi} per point)")
         ax.grid(alpha=0.3)
-    figure_legend(fig, axes, ncol=8)
-    fig.suptitle("Native addressing variants vs external routers: is the archived evidence retrieved?")
-    save_figure(fig, path, rect=legend_rect(fig, legend_in=0.75))
+    figure_legend(fig, axes, ncol=4)
+    fig.suptitle("Is the archived evidence retrieved? Routers, top-2 (bands: 95% CI; n: examples per point)")
+    save_figure(fig, path, rect=legend_rect(fig, legend_in=0.8))
 
 
 def rank_native(df, lengths, r: int = 2):
