@@ -17,11 +17,10 @@ from collections import defaultdict
 import fsspec
 
 from notebank.pipeline.archive import Archive, ArchiveError, FingerprintMismatch, fingerprint_digest
-from notebank.pipeline.archive_io import run_fingerprint
 from notebank.pipeline.config import ConfigError
 from notebank.pipeline.corpus import list_shards, shard_slug
-from notebank.pipeline.store import doc_key
 from notebank.schemas import archive as S
+from notebank.schemas.archive import doc_key
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,14 @@ def _run_info(job: str) -> dict:
     return {"job": job, "argv": " ".join(sys.argv)[:500], "host": socket.gethostname(), "pid": os.getpid()}
 
 
+def io_tasks(n_inputs: int):
+    """Ray Data's compute for a scan or read stage over `n_inputs` items: up to 4 concurrent tasks (the
+    callers give them 0 CPUs: they wait on I/O, and must run beside actors that hold every CPU of a
+    small cluster). Never more tasks than inputs (Ray Data warns about a pool it cannot fill)."""
+    import ray
+    return ray.data.TaskPoolStrategy(size=max(1, min(4, n_inputs)))
+
+
 def quiet_ray_data(progress: bool) -> None:
     """Our own progress bar (with totals) replaces Ray Data's per-operator bars and INFO lines."""
     import ray
@@ -66,6 +73,21 @@ def quiet_ray_data(progress: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def require_room_for_actor(num_cpus: float, num_gpus: float, where: str = "actors") -> None:
+    """Refuse at once (ConfigError) when no node of the Ray cluster has the CPUs and GPUs of one actor:
+    Ray would otherwise queue the actor (and the job) forever without a word. Checked against the
+    nodes alive now; an autoscaling cluster must start with one node that fits an actor."""
+    import ray
+    need = {"CPU": float(num_cpus or 0), "GPU": float(num_gpus or 0)}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
+        return
+    have = "; ".join(f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs" for r in nodes) or "no live node"
+    raise ConfigError(f"{where}: each actor needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs "
+                      f"({where}.num_cpus / {where}.num_gpus), but no Ray node has that (nodes: {have}). Lower "
+                      f"{where}.num_cpus / {where}.num_gpus, or start Ray with more (ray.num_cpus for a local Ray)")
+
+
 def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: str | None = None,
                 nb: dict | None = None) -> dict:
     """Load the memory backend once in a Ray task with the actors' resources -> fingerprint (the
@@ -73,6 +95,7 @@ def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: st
     (family/channels, or the MoNe config). A bad checkpoint fails here, once, with one clear error
     (not one per actor restart)."""
     import ray
+    require_room_for_actor(actors.num_cpus, actors.num_gpus)
 
     def _probe(model):
         from notebank.pipeline.actors import build_memory, memory_info
@@ -92,6 +115,27 @@ def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: st
         raise ConfigError(f"{memory} model could not be loaded ({model.get('path') or model.get('hf_config', {}).get('model_type')}): "
                           f"{info['error']}")
     return info
+
+
+# The schema versions a NoteBank run fingerprint names. Frozen: they are part of every existing
+# archive's manifest/_run.json (and its digest in each commit record), so changing them would make
+# a rerun refuse every archive written so far.
+RUN_SCHEMA_VERSIONS = {"notes": 1, "state": 1, "manifest": 1}
+
+
+def run_fingerprint(model_fingerprint: str, family: str, n_channels: int, nb, tokenizer: str | None = None) -> dict:
+    """What every NoteBank archive in an output folder is a pure function of (besides the documents).
+    nb: the writer's NoteBankConfig."""
+    return {
+        "model": model_fingerprint,
+        "tokenizer": tokenizer,
+        "family": family,
+        "n_channels": int(n_channels),
+        "notebank": nb.to_dict(),
+        "notebank_digest": nb.digest(),
+        "projection_seed": nb.seed,
+        "schema_versions": dict(RUN_SCHEMA_VERSIONS),
+    }
 
 
 def memory_run_fingerprint(cfg, info: dict) -> dict:
@@ -276,7 +320,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
         for p in problems:
             log.warning("%s", p)
         scans = (ray.data.from_items([{"shard": s} for s in shards])
-                 .map(_scan_corpus, num_cpus=0, concurrency=4).take_all())
+                 .map(_scan_corpus, num_cpus=0, compute=io_tasks(len(shards))).take_all())
         order = {s: i for i, s in enumerate(shards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         plan, counts = plan_groups(scans, valid, committed, cfg)
@@ -298,7 +342,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
             items = [{"shard": s, "group": g, "seek": json.dumps(counts["seeks"][(s, g)]), "plan": json.dumps(rows)}
                      for s, groups in plan.items() for g, rows in groups.items()]
             ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.flat_map(_read_groups, num_cpus=0, concurrency=4)
+            ds = ds.flat_map(_read_groups, num_cpus=0, compute=io_tasks(len(items)))
             # Ray Data restarts dead actors and retries their batches without limit (its defaults)
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
             from notebank.pipeline.actors import IngestActor
@@ -430,7 +474,7 @@ def query_dataset(cfg) -> dict:
     import ray
 
     from notebank.pipeline.actors import QueryActor
-    from notebank.pipeline.query import rc_json, write_rejected
+    from notebank.pipeline.query import write_rejected
     from notebank.pipeline.safety import acquire_lease, check_no_escape, check_query_output
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
@@ -471,7 +515,8 @@ def query_dataset(cfg) -> dict:
             _valid, committed, problems = committed_documents(store, verify=False, repair=False)
         done, p2 = existing_answers(out)
         problems += p2
-        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0, concurrency=4).take_all()
+        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0,
+                                                                                 compute=io_tasks(len(qshards))).take_all()
         order = {s: i for i, s in enumerate(qshards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         methods = list(cfg.methods)
@@ -501,18 +546,23 @@ def query_dataset(cfg) -> dict:
                 from nbcore.memory import MONE_READ_KEYS
                 read = {k: v for k, v in read.items() if k in MONE_READ_KEYS}
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
-            ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
-                  .flat_map(_read_questions, num_cpus=0, concurrency=4)
-                  .groupby("doc_id")
-                  .map_groups(QueryActor, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
-                              num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
-                              fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output,
-                                                         read=read, nb=nb, docs_ref=[docs_ref], provenance=provenance,
-                                                         torch_threads=cfg.actors.torch_threads
-                                                         or max(1, int(cfg.actors.num_cpus)),
-                                                         memory=cfg.memory, mone_adapters=adapters,
-                                                         block_size=cfg.block_size),
-                              **remote))
+            # One row per document (all its question rows, as JSON), materialized BEFORE the actor pool
+            # starts: the groupby's shuffle is a barrier anyway (a group is complete only when every
+            # shard is read), and run beside the pool it would wait forever for the CPUs the actors
+            # hold on a small cluster (ray.num_cpus=1).
+            docs = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
+                    .flat_map(_read_questions, num_cpus=0, compute=io_tasks(len(keep)))
+                    .groupby("doc_id")
+                    .map_groups(_pack_document, batch_format="pyarrow", num_cpus=0)
+                    .materialize())
+            ds = docs.map_batches(
+                QueryActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
+                num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
+                fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output, read=read, nb=nb,
+                                           docs_ref=[docs_ref], provenance=provenance,
+                                           torch_threads=cfg.actors.torch_threads or max(1, int(cfg.actors.num_cpus)),
+                                           memory=cfg.memory, mone_adapters=adapters, block_size=cfg.block_size),
+                **remote)
             seen_q = set()
             for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
                 for rec in batch.to_dict("records"):
@@ -538,7 +588,8 @@ def corpus_locations(shards: list[str]) -> dict:
     """One-pass mode: {doc_id: {"text_at": {shard, seek, row}}} of a corpus (first row of each id wins);
     rows without a usable id or text are left out (their questions get error rows)."""
     import ray
-    scans = ray.data.from_items([{"shard": s} for s in shards]).map(_scan_corpus, num_cpus=0, concurrency=4).take_all()
+    scans = ray.data.from_items([{"shard": s} for s in shards]).map(_scan_corpus, num_cpus=0,
+                                                                                compute=io_tasks(len(shards))).take_all()
     order = {s: i for i, s in enumerate(shards)}
     scans.sort(key=lambda sc: order[sc["shard"]])
     out: dict = {}
@@ -554,6 +605,12 @@ def _rc_fields(rc) -> dict:
     d = dataclasses.asdict(rc)
     d["stop"] = list(d.get("stop") or ())
     return d
+
+
+def _pack_document(group) -> dict:
+    """The question rows of one document (a pyarrow table) -> one row: doc_id + the rows as JSON."""
+    rows = group.to_pylist()
+    return {"doc_id": [rows[0]["doc_id"]], "questions": [json.dumps(rows)]}
 
 
 def _scan_questions(item):

@@ -9,11 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TEST_ACTORS, TINY_MODEL, TINY_NB, write_jsonl
-from nbcore import NoteBankConfig, ReadConfig
 from nbcore.testing import needle_text
 from notebank.pipeline.config import DemoConfig, IngestJobConfig, QueryJobConfig, build
 from notebank.pipeline.ingest import run_ingest
-from notebank.pipeline.onepass import run_onepass
 from notebank.pipeline.query import run_query
 from notebank.pipeline.archive import FingerprintMismatch
 from notebank.pipeline.safety import UnsafePath
@@ -129,22 +127,6 @@ def test_query_corrupted_state_and_wrong_model(ray_session, archive, tmp_path):
     with pytest.raises(FingerprintMismatch, match=r"manifest/_run\.json: archives were written with model"):
         run_query(qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "b",
                        model={**TINY_MODEL, "seed": 1}))
-
-
-def test_onepass_sweep(pool):
-    examples = []
-    for i in range(2):
-        text, needles = needle_text(1500, 1, seed=20 + i)
-        examples.append({"doc_id": f"ex{i}", "text": text, "questions": [
-            {"question_id": f"ex{i}-q", "question": f"What is the special magic number for {needles[0][0]}?",
-             "answers": needles[0][1]}]})
-    nbs = [NoteBankConfig(**TINY_NB), NoteBankConfig(**{**TINY_NB, "chunk_size": 256})]
-    rcs = [ReadConfig(method=m, max_new_tokens=4) for m in ("plain", "jrt", "notebank")] + \
-          [ReadConfig(method="notebank", top_r=1, router=r, max_new_tokens=4) for r in ("random", "embmax_centered")]
-    rows = run_onepass(examples, TINY_MODEL, nbs, rcs, workers=pool)
-    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
-    assert all(r["n_tokens"] > 1000 and r["score"] is not None for r in rows)
-    assert {json.loads(r["notebank"])["chunk_size"] for r in rows} == {128, 256}
 
 
 def test_demo_job_end_to_end(ray_session, tmp_path):
