@@ -488,3 +488,29 @@ def test_previous_rows_merge_across_string_types_and_refuse_other_mismatches(tmp
     bad = pa.table({"method": pa.array(["x"], pa.string()), "score": pa.array(["2"], pa.string())})
     with pytest.raises(ValueError, match="do not match"):
         _with_previous_rows(bad, url, ["method"])
+
+
+def test_cell_runner_loads_its_model_once_and_writes_each_cell(tmp_path, monkeypatch):
+    """The sweep actor (plain class, no Ray): one model load for all its cells, one Parquet file per
+    cell; a model that cannot load fails each cell with that error, writes nothing, raises nothing."""
+    from nbcore.backbones import loading
+    from nbcore.evals.ruler import Ruler
+    from notebank.pipeline.evaluate import CellRunner, make_cell, model_groups
+    loads = []
+    real = loading.build_backbone
+    monkeypatch.setattr(loading, "build_backbone", lambda spec: loads.append(spec) or real(spec))
+    bench = Ruler(tasks=["niah_single_1"], lengths=[1024], max_new_tokens=2)
+    items = list(bench.examples())[:1] * 3
+    cells = [make_cell(bench, it, str(tmp_path / f"c{i}.parquet"), model=dict(TINY_MODEL), methods=["plain"],
+                       labels={"backbone": "rand"}) for i, it in enumerate(items)]
+    other = dict(cells[0], model={**TINY_MODEL, "seed": 1}, path=str(tmp_path / "other.parquet"))
+    groups = model_groups(cells + [other])
+    assert [len(g) for g in groups] == [3, 1]
+    runner = CellRunner(cells[0]["benchmark"], cells[0]["options"], cells[0]["model"], threads=1)
+    out = runner({"cell": [json.dumps(c) for c in cells]})
+    assert len(loads) == 1 and out["error"] == [None] * 3 and all(n > 0 for n in out["n_tokens"])
+    assert all((tmp_path / f"c{i}.parquet").exists() for i in range(3))
+    broken = CellRunner(cells[0]["benchmark"], cells[0]["options"], {**TINY_MODEL, "hf_config": {"model_type": "nope"}})
+    bad = dict(cells[0], path=str(tmp_path / "bad.parquet"))
+    res = broken({"cell": [json.dumps(bad)]})
+    assert res["error"][0].startswith("RuntimeError: the model could not be loaded") and not (tmp_path / "bad.parquet").exists()
