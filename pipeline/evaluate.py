@@ -8,11 +8,11 @@ pipeline/evaluate_longbench.py, `mone` pipeline/evaluate_mone.py) turns its YAML
            example item, the model spec, methods, notebank config, labels, and its Parquet `path`
   resume   a cell whose file exists is done (files are written to a temporary name, then renamed);
            with cfg.measurement_key, cells are also restored from a shipped results.parquet
-  fan out  per model (backbone spec), one Ray Data dataset of its cells:
-           map_batches(CellRunner, batch_size=1, compute=ActorPoolStrategy(size=n), num_gpus=...): each
-           actor loads the model once, then per cell rebuilds the benchmark, runs
-           benchmark.evaluate(model, item, methods), stamps the labels and commits the cell's Parquet
-           file itself; the driver gets one small record per cell
+  fan out  one Ray Data dataset of the cells, ordered by model (backbone spec):
+           map_batches(CellRunner, batch_size=1, compute=ActorPoolStrategy(size=n), num_gpus=...): an
+           actor loads a model when its first cell of that model arrives (so once per model), then per
+           cell rebuilds the benchmark, runs benchmark.evaluate(model, item, methods), stamps the
+           labels and commits the cell's Parquet file itself; the driver gets one small record per cell
   results  <output>/results.parquet from the finished cells (checked by cfg.validate_rows), then
            cfg.write_report(rows, cells, notes): summary.json, report.md and plots (pipeline/reporting)
   report   report_from_results: the report again from results.parquet alone (--report-only)
@@ -22,6 +22,7 @@ summary.json, report.md, *.png.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -223,41 +224,66 @@ def run_cell(cell: dict) -> dict:
 
 
 class CellRunner:
-    """Ray Data actor (map_batches, batch_size=1): loads one model once, then evaluates cells of that
-    model, each committed to its own Parquet file by the actor. A model that fails to load fails each
-    of its cells with that error (recorded, not retried) instead of failing the sweep."""
+    """Ray Data actor (map_batches, batch_size=1) that evaluates cells, each committed to its own
+    Parquet file by the actor. It holds one model at a time and loads a cell's model only when it
+    differs from the one it holds (the driver orders the cells by model, so an actor loads each
+    model at most once). A model that fails to load fails each of its cells with that error
+    (recorded, not retried) instead of failing the sweep."""
 
-    def __init__(self, benchmark: str, options: dict, model: dict, threads: int = 1):
+    def __init__(self, threads: int = 1):
         import torch
-
-        from nbcore.evals import build_benchmark
-        from notebank.pipeline.allocator import runs_on_cpu, tune_cpu_malloc
         torch.set_num_threads(max(1, int(threads)))
-        if runs_on_cpu(model):
+        self.key, self.model, self.error = None, None, None
+        self.loads = 0
+
+    def _use(self, cell: dict) -> None:
+        from nbcore.evals import build_benchmark
+        bench = build_benchmark(cell["benchmark"], cell["options"])
+        key = model_key(bench.model_kind, cell["model"])
+        if key == self.key:
+            return
+        self.key, self.model, self.error = key, None, None      # drop the previous model before loading
+        gc.collect()
+        from notebank.pipeline.allocator import runs_on_cpu, tune_cpu_malloc
+        if runs_on_cpu(cell["model"]):
             tune_cpu_malloc()          # stable heap reuse for the forward's temporaries (pipeline/allocator.py)
+        self.loads += 1
         try:
-            self.model, self.error = load_model(build_benchmark(benchmark, options), model), None
+            self.model = load_model(bench, cell["model"])
         except Exception as e:  # noqa: BLE001 - reported per cell
-            self.model, self.error = None, f"{type(e).__name__}: {e}"
+            self.error = f"{type(e).__name__}: {e}"
 
     def __call__(self, batch: dict) -> dict:
         out = {"path": [], "error": [], "n_tokens": []}
         for packed in batch["cell"]:
-            res = evaluate_cell(json.loads(packed), self.model, self.error)
+            cell = json.loads(packed)
+            try:
+                self._use(cell)
+                res = evaluate_cell(cell, self.model, self.error)
+            except Exception as e:  # noqa: BLE001 - e.g. an unknown benchmark: this cell fails, the sweep goes on
+                res = {"path": cell["path"], "error": f"{type(e).__name__}: {e}", "n_tokens": 0}
             for k in out:
                 out[k].append(res[k])
         return out
 
 
+def model_key(model_kind: str, model: dict) -> str:
+    """What one loaded model is: the benchmark's model kind + the model spec (the LongBench job's three
+    benchmarks share one backbone)."""
+    return json.dumps([model_kind, model], sort_keys=True)
+
+
 def model_groups(cells: list[dict]) -> list[list[dict]]:
-    """The cells grouped by the model they load (the benchmark's model kind + the model spec: the
-    LongBench job's three benchmarks share one backbone), groups in order of first appearance, cells
-    in their given order within a group."""
+    """The cells grouped by the model they load (model_key), groups in order of first appearance,
+    cells in their given order within a group."""
     from nbcore.evals import get_benchmark
     groups: dict[str, list[dict]] = {}
     for c in cells:
-        kind = get_benchmark(c["benchmark"]).model_kind
-        groups.setdefault(json.dumps([kind, c["model"]], sort_keys=True), []).append(c)
+        try:
+            kind = get_benchmark(c["benchmark"]).model_kind
+        except KeyError:
+            kind = None                  # an unknown benchmark: its cells fail on the actor, with the reason
+        groups.setdefault(model_key(kind, c["model"]), []).append(c)
     return list(groups.values())
 
 
@@ -280,9 +306,14 @@ def actors_that_fit(cpus: float, gpus: float, wanted: int, n_cells: int) -> int:
 def run_cells(cells: list[dict], cpus: float, gpus: float, *, num_actors: int = 0,
               accelerator_type: str | None = None, progress: bool = True, desc: str = "cells",
               unit: str = "cell") -> list[dict]:
-    """Run `cells` on Ray Data (Ray initialised by the caller): per model, one dataset of its cells
-    through an actor pool of CellRunners. -> the cells' records ({path, error, n_tokens}) in completion
-    order. Failures are reported on the bar and returned, not raised."""
+    """Run `cells` on Ray Data (Ray initialised by the caller): one dataset of the cells, ordered by
+    model (model_groups), through one pool of CellRunner actors; each actor loads a model when its
+    first cell of that model arrives, so at most once per model. -> the cells' records ({path, error,
+    n_tokens}) in completion order. Failures are reported on the bar and returned, not raised.
+
+    One pool for every model, not one per model run one after another: a finished pool's actors
+    leave only when Ray's reference counting collects them, and until then they hold the CPUs (or
+    GPUs) the next pool waits for (seen: the second backbone's pool never started on 2 CPUs)."""
     import ray
     from tqdm import tqdm
 
@@ -292,25 +323,22 @@ def run_cells(cells: list[dict], cpus: float, gpus: float, *, num_actors: int = 
         return results
     require_room_for_actor(cpus, gpus, ("the cells' CPUs (num_cpus_per_cell)", "GPUs (num_gpus_per_cell)"))
     quiet_ray_data(progress)
-    bar = tqdm(total=len(cells), desc=desc, unit=unit, disable=not progress)
+    ordered = [c for group in model_groups(cells) for c in group]
+    n = actors_that_fit(cpus, gpus, num_actors, len(ordered))
     remote = {"accelerator_type": accelerator_type} if accelerator_type else {}
-    for group in model_groups(cells):
-        first = group[0]
-        n = actors_that_fit(cpus, gpus, num_actors, len(group))
-        ds = ray.data.from_items([{"cell": json.dumps(c)} for c in group], override_num_blocks=len(group))
-        ds = ds.map_batches(CellRunner, batch_size=1, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=cpus,
-                            num_gpus=gpus or None,
-                            fn_constructor_kwargs=dict(benchmark=first["benchmark"], options=first["options"],
-                                                       model=first["model"], threads=first.get("threads", 1)),
-                            **remote)
-        for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
-            for rec in batch.to_dict("records"):
-                err = rec["error"] if isinstance(rec["error"], str) and rec["error"] else None   # null: None or NaN
-                rec = {"path": rec["path"], "error": err, "n_tokens": int(rec["n_tokens"] or 0)}
-                results.append(rec)
-                if rec["error"]:
-                    bar.write(f"failed {rec['path']}: {rec['error']}")
-                bar.update(1)
+    ds = ray.data.from_items([{"cell": json.dumps(c)} for c in ordered], override_num_blocks=len(ordered))
+    ds = ds.map_batches(CellRunner, batch_size=1, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=cpus,
+                        num_gpus=gpus or None, fn_constructor_kwargs={"threads": ordered[0].get("threads", 1)},
+                        **remote)
+    bar = tqdm(total=len(ordered), desc=desc, unit=unit, disable=not progress)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
+        for rec in batch.to_dict("records"):
+            err = rec["error"] if isinstance(rec["error"], str) and rec["error"] else None   # null: None or NaN
+            rec = {"path": rec["path"], "error": err, "n_tokens": int(rec["n_tokens"] or 0)}
+            results.append(rec)
+            if rec["error"]:
+                bar.write(f"failed {rec['path']}: {rec['error']}")
+            bar.update(1)
     bar.close()
     return results
 
