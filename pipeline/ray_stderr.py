@@ -32,20 +32,28 @@ _installed = False
 
 
 def drop_ray_data_restart_warning() -> None:
-    """Route this process's fd 2 through a pipe whose reader thread writes everything to the real
-    stderr except RAY_DATA_RESTART_WARNING lines. Idempotent; undone (and drained) at exit."""
+    """Route this process's fd 2 through a pipe (a pseudo-terminal when stderr is a terminal, so that
+    progress bars and colours still see one, of the same size) whose reader thread writes everything
+    to the real stderr except RAY_DATA_RESTART_WARNING lines. Idempotent; undone (and drained) at exit."""
     global _installed
     if _installed:
         return
     _installed = True
-    read_fd, write_fd = os.pipe()
     real_stderr = os.dup(2)
+    if os.isatty(real_stderr):
+        read_fd, write_fd = os.openpty()
+        _mirror_terminal(real_stderr, write_fd)
+    else:
+        read_fd, write_fd = os.pipe()
     os.dup2(write_fd, 2)
     os.close(write_fd)
 
     def pump():
         while True:
-            data = os.read(read_fd, 65536)
+            try:
+                data = os.read(read_fd, 65536)
+            except OSError:              # a pseudo-terminal whose last writer closed (EIO): the end
+                break
             if not data:
                 break
             data = RAY_DATA_RESTART_WARNING.sub(b"", data)
@@ -65,3 +73,17 @@ def drop_ray_data_restart_warning() -> None:
         reader.join(timeout=5)
 
     atexit.register(restore)
+
+
+def _mirror_terminal(real_fd: int, pty_fd: int) -> None:
+    """The pseudo-terminal gets the real terminal's size, and writes bytes as they are (no "\n" to
+    "\r\n" translation)."""
+    import fcntl
+    import termios
+    try:
+        fcntl.ioctl(pty_fd, termios.TIOCSWINSZ, fcntl.ioctl(real_fd, termios.TIOCGWINSZ, b"\0" * 8))
+        attrs = termios.tcgetattr(pty_fd)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(pty_fd, termios.TCSANOW, attrs)
+    except OSError:
+        pass

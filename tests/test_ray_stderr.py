@@ -34,3 +34,33 @@ def test_filter_in_a_process_passes_everything_else_until_exit():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stderr == b"before\n" + OTHER + b"python stderr\n" + b"x" * 200000 + b"\nend\n"
+
+
+def test_filter_keeps_a_terminal_a_terminal():
+    """stderr on a terminal: the job still sees a terminal of the same size (progress bars, colours),
+    and the terminal gets the bytes unchanged but for the dropped line."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 111, 0, 0))
+    code = ("import os, shutil, sys\n"
+            "from notebank.pipeline.ray_stderr import drop_ray_data_restart_warning\n"
+            "drop_ray_data_restart_warning()\n"
+            f"os.write(2, b'a\\n' + {LINE!r} + b'b\\n')\n"
+            "print(os.isatty(2), os.get_terminal_size(2).columns, file=sys.stderr)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=slave, stdout=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(60) == 0
+    assert out.replace(b"\r\n", b"\n") == b"a\nb\nTrue 111\n", out
