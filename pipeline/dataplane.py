@@ -73,19 +73,21 @@ def quiet_ray_data(progress: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def require_room_for_actor(num_cpus: float, num_gpus: float, where: str = "actors") -> None:
+def require_room_for_actor(num_cpus: float, num_gpus: float,
+                           keys: tuple[str, str] = ("actors.num_cpus", "actors.num_gpus")) -> None:
     """Refuse at once (ConfigError) when no node of the Ray cluster has the CPUs and GPUs of one actor:
     Ray would otherwise queue the actor (and the job) forever without a word. Checked against the
-    nodes alive now; an autoscaling cluster must start with one node that fits an actor."""
+    nodes alive now; an autoscaling cluster must start with one node that fits an actor. keys: the
+    config keys that set num_cpus and num_gpus (named in the message)."""
     import ray
     need = {"CPU": float(num_cpus or 0), "GPU": float(num_gpus or 0)}
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     if any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
         return
     have = "; ".join(f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs" for r in nodes) or "no live node"
-    raise ConfigError(f"{where}: each actor needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs "
-                      f"({where}.num_cpus / {where}.num_gpus), but no Ray node has that (nodes: {have}). Lower "
-                      f"{where}.num_cpus / {where}.num_gpus, or start Ray with more (ray.num_cpus for a local Ray)")
+    raise ConfigError(f"each actor needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs ({keys[0]}, {keys[1]}), but "
+                      f"no Ray node has that (nodes: {have}). Lower {keys[0]} / {keys[1]}, or start Ray with more "
+                      f"(ray.num_cpus for a local Ray)")
 
 
 def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: str | None = None,
@@ -533,10 +535,11 @@ def query_dataset(cfg) -> dict:
             stats["rows"] += len(rows)
         bar = progress_bar(cfg.progress, counts.get("to_answer", 0), "q", "query")
         if keep:
-            needed = {}
+            needed, row_doc = {}, {}
             for sc in scans:
                 for row, qid, did, err in json.loads(sc["rows"]):
                     if str(row) in keep.get(sc["shard"], {}) and did in committed:
+                        row_doc[(sc["shard"], str(row))] = did
                         c = committed[did]
                         needed[did] = ({"text_at": c["text_at"]} if cfg.onepass else
                                        {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")})
@@ -546,15 +549,13 @@ def query_dataset(cfg) -> dict:
                 from nbcore.memory import MONE_READ_KEYS
                 read = {k: v for k, v in read.items() if k in MONE_READ_KEYS}
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
-            # One row per document (all its question rows, as JSON), materialized BEFORE the actor pool
-            # starts: the groupby's shuffle is a barrier anyway (a group is complete only when every
-            # shard is read), and run beside the pool it would wait forever for the CPUs the actors
-            # hold on a small cluster (ray.num_cpus=1).
-            docs = (ray.data.from_items([{"shard": s, "keep": json.dumps(k)} for s, k in keep.items()])
-                    .flat_map(_read_questions, num_cpus=0, compute=io_tasks(len(keep)))
-                    .groupby("doc_id")
-                    .map_groups(_pack_document, batch_format="pyarrow", num_cpus=0)
-                    .materialize())
+            # One row per document (all its question rows, as JSON), grouped by the read tasks from the
+            # driver's plan (question ids only): no shuffle. A Ray Data groupby's hash shuffle runs
+            # beside the actor pool and, on a small cluster (ray.num_cpus=1), waits forever for the
+            # CPUs the actors hold.
+            reads = document_reads(keep, row_doc)
+            docs = (ray.data.from_items([{"reads": json.dumps(r)} for r in reads], override_num_blocks=len(reads))
+                    .flat_map(_read_document_questions, num_cpus=0, compute=io_tasks(len(reads))))
             ds = docs.map_batches(
                 QueryActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
                 num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
@@ -607,10 +608,33 @@ def _rc_fields(rc) -> dict:
     return d
 
 
-def _pack_document(group) -> dict:
-    """The question rows of one document (a pyarrow table) -> one row: doc_id + the rows as JSON."""
-    rows = group.to_pylist()
-    return {"doc_id": [rows[0]["doc_id"]], "questions": [json.dumps(rows)]}
+def document_reads(keep: dict, row_doc: dict) -> list[dict]:
+    """The read items of a query: {shard: {row: methods}} each, such that every document's planned
+    rows are in exactly one item. One item per shard for the documents whose questions are all in
+    that shard; one more for the documents whose questions span shards (it reads those shards)."""
+    shards_of: dict = defaultdict(set)
+    for (shard, row), did in row_doc.items():
+        shards_of[did].add(shard)
+    per_shard: dict = defaultdict(dict)
+    spanning: dict = defaultdict(dict)
+    for shard, rows in keep.items():
+        for row, methods in rows.items():
+            did = row_doc.get((shard, row))
+            if did is None:
+                continue
+            (per_shard[shard] if len(shards_of[did]) == 1 else spanning[shard])[row] = methods
+    items = [{s: rows} for s, rows in per_shard.items()]
+    return items + ([dict(spanning)] if spanning else [])
+
+
+def _read_document_questions(item) -> list[dict]:
+    """One read item -> one row per document: doc_id + all its planned question rows as JSON."""
+    from notebank.pipeline.corpus import read_question_rows
+    by_doc: dict = defaultdict(list)
+    for shard, rows in json.loads(item["reads"]).items():
+        for q in read_question_rows({"shard": shard, "keep": json.dumps(rows)}):
+            by_doc[q["doc_id"]].append(q)
+    return [{"doc_id": d, "questions": json.dumps(qs)} for d, qs in by_doc.items()]
 
 
 def _scan_questions(item):
@@ -618,6 +642,3 @@ def _scan_questions(item):
     return scan_question_shard(item)
 
 
-def _read_questions(item):
-    from notebank.pipeline.corpus import read_question_rows
-    return read_question_rows(item)

@@ -183,3 +183,19 @@ def test_onepass_job_matches_archive_answers_and_persists_nothing(ray_session, a
     assert not list((tmp_path / "onepass").rglob("*.safetensors"))
     with pytest.raises(Exception, match="exactly one of archive"):
         qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "x", corpus=str(archive / "corpus.jsonl"))
+
+
+def test_document_reads_put_each_document_in_one_read():
+    """The query's read plan: a document's questions all arrive in one row (no shuffle), also when
+    they span shards."""
+    from notebank.pipeline.dataplane import document_reads
+    keep = {"a": {"0": ["plain"], "1": ["plain"], "2": ["notebank"]}, "b": {"0": ["plain"], "1": ["plain"]}}
+    row_doc = {("a", "0"): "d1", ("a", "1"): "d2", ("a", "2"): "d1", ("b", "0"): "d3", ("b", "1"): "d2"}
+    reads = document_reads(keep, row_doc)
+    assert reads == [{"a": {"0": ["plain"], "2": ["notebank"]}}, {"b": {"0": ["plain"]}},
+                     {"a": {"1": ["plain"]}, "b": {"1": ["plain"]}}]
+    owner = {}
+    for i, r in enumerate(reads):
+        for shard, rows in r.items():
+            for row in rows:
+                assert owner.setdefault(row_doc[(shard, row)], i) == i
