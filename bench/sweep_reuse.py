@@ -157,7 +157,7 @@ def markdown(r: dict) -> str:
              f"torch {r['versions']['torch']}; local Ray with {s['ray_num_cpus']} CPUs.  ",
              f"Sweep: {s['cells']} cells (RULER niah_single_1 + niah_multikey_1 at 1K, {s['examples']} examples each, "
              f"plain + nb-tf-top2) over 2 backbones ({', '.join(n for n, _, _ in BACKBONES)}); per cell "
-             f"{s['num_cpus_per_cell']} CPU and {s['num_gpus_per_cell']} GPU; {s['actors']} actors per backbone.", "",
+             f"{s['num_cpus_per_cell']} CPU and {s['num_gpus_per_cell']} GPU; {s['actors']} actors (one pool for both backbones).", "",
              "| run | runner | model loads | loads per backbone | worker processes | cells failed | wall s | "
              "load avg (1 min) before / after |", "|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(r["runs"]):
@@ -176,7 +176,7 @@ def markdown(r: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--actors", type=int, default=2, help="actors per backbone (the new runner)")
+    p.add_argument("--actors", type=int, default=2, help="actors of the new runner (one pool for every backbone)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per cell / actor")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per cell / actor (1 on a GPU machine)")
     p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray")
