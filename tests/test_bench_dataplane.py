@@ -28,9 +28,9 @@ def test_bench_dataplane_quick(tmp_path):
     assert "--quick" in r["command"] and r["machine"]["nproc"] >= 1 and r["machine"]["cpu_model"]
     db = r["driver_bytes_per_doc"]
     assert all(v > 0 for k, v in db["new"].items() if isinstance(v, float)), db
-    # the driver gets O(record) bytes per document: a ~20x larger state leaves them nearly unchanged
+    # the driver gets O(record) bytes per document: a several times larger state leaves them nearly unchanged
     st = db["state_bytes_per_doc"]
-    assert st["hidden 256"] > 10 * st["hidden 64"] and db["new_large_over_small"] < 1.5, db
+    assert st["hidden 256"] > 4 * st["hidden 64"] and db["new_large_over_small"] < 1.5, db
     assert db["new"]["hidden 64"] < st["hidden 64"]
     rss = r["driver_rss_growth_mib"]
     assert rss["rss_3"] > 0 and rss["rss_12"] > 0 and rss["n_docs"] == [3, 12]
