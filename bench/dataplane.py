@@ -1,4 +1,4 @@
-"""Ingest data plane: the Ray Data pipeline (pipeline/dataplane.py) vs the old pool.dispatch driver.
+"""Ingest data plane: what the Ray Data pipeline's driver (pipeline/dataplane.py) holds, and throughput.
 
     python bench/dataplane.py                 # full run, writes bench/results/dataplane.{json,md}
     python bench/dataplane.py --quick --out /tmp/dp.json     # smoke (tests/test_bench_dataplane.py)
@@ -6,19 +6,21 @@
 Measured in ONE run, on one local Ray, same generated corpus (nbcore.testing.needle_text documents,
 byte tokenizer, tiny random-init GDN = tests/conftest.py TINY_MODEL, TINY_NB chunk sizes):
 
-  driver_bytes_per_doc   what the driver RECEIVES per document. New pipeline: the pickled size of every
-                         small record `ds.iter_batches` hands the driver (run_ingest's on_commit hook)
-                         plus the scan results (ids + hashes; ray.data.Dataset.take_all is wrapped to
-                         weigh them). Baseline (bench/baseline_pool_ingest.py): the notes + state bytes
-                         every ingest_doc call returns. Both for two model sizes (hidden 64 / 256), so the
-                         state size grows ~x30 and the new number must not.
+  driver_bytes_per_doc   what the driver RECEIVES per document: the pickled size of every small record
+                         `ds.iter_batches` hands the driver (run_ingest's on_commit hook) plus the scan
+                         results (ids + hashes; ray.data.Dataset.take_all is wrapped to weigh them), for
+                         two model sizes (hidden 64 / 256): the state size grows ~x20, this must not.
   driver_rss_growth_mib  peak RSS (ru_maxrss) of a driver ingesting 10 vs 1,000 short documents, each in
                          its own subprocess (a separate Ray driver attached to this run's cluster).
-  actors_2_vs_1          ingest tokens/s with 1 and 2 actors, new and baseline, runs alternated, median of
-                         --repeats runs; steady-state (arrivals after the first round of groups/docs)
+  actors_2_vs_1          ingest tokens/s with 1 and 2 actors, runs alternated, median of --repeats
+                         runs; steady-state (arrivals after the first round of groups)
                          and end to end (incl. model probe and actor start). CPU seconds used by other
                          processes on the machine during each run are recorded next to it.
-  files_per_1000_docs    files written per 1,000 documents, new vs baseline.
+  files_per_1000_docs    files written per 1,000 documents.
+
+The pre-Ray-Data driver (an actor pool whose results, notes and states, all went through the
+driver) was measured against this pipeline on 2026-12-02 and then deleted; its numbers are kept
+as history at the end of bench/results/dataplane.md (HISTORY below).
 """
 from __future__ import annotations
 
@@ -223,7 +225,7 @@ class WeighScans:
 
 
 def steady_tok_s(arrivals: list[tuple[float, str, int]], skip: int) -> float | None:
-    """arrivals: (t, unit, tokens) with unit = group (new) or doc (baseline). The first `skip` units
+    """arrivals: (t, group, tokens). The first `skip` units
     (one per actor: the first round, which also pays the start-up) are left out; tokens of the later
     units over the time from the skip-th arrival to the last."""
     first: dict[str, float] = {}
@@ -240,7 +242,7 @@ def steady_tok_s(arrivals: list[tuple[float, str, int]], skip: int) -> float | N
 
 
 # ------------------------------------------------------------------------------------------------
-# one run of each design
+# one ingest run
 
 def run_new(args, corpus, output, model, n_actors, group) -> dict:
     from notebank.pipeline.ingest import run_ingest
@@ -264,29 +266,8 @@ def run_new(args, corpus, output, model, n_actors, group) -> dict:
             "e2e_tok_s": s["tokens_per_s"], "steady_tok_s": steady_tok_s(arrivals, n_actors),
             "record_bytes_per_doc": rec_bytes[0] / n, "scan_bytes_per_doc": ws.bytes / n,
             "driver_bytes_per_doc": (rec_bytes[0] + ws.bytes) / n, "store_bytes": s["bytes"],
+            "state_bytes_per_doc": sum(p.stat().st_size for p in (output / "state").rglob("*") if p.is_file()) / n,
             "files": count_files(output), "cpu": cw.result}
-
-
-def run_base(args, corpus, output, model, n_actors, group) -> dict:
-    from bench.baseline_pool_ingest import run_baseline_ingest
-    cfg = ingest_cfg(args, corpus, output, model, n_actors, group)
-    arrivals, state_b, notes_b = [], [0], [0]
-
-    def on_result(r):
-        arrivals.append((time.perf_counter(), r["doc_id"], r["n_tokens"]))
-        state_b[0] += r["state_bytes"]
-        notes_b[0] += r["notes_bytes"]
-
-    with CpuWatch() as cw:
-        s = run_baseline_ingest(cfg, on_result=on_result)
-    assert s["docs_failed"] == 0, s
-    n = s["docs_ok"]
-    return {"design": "baseline", "actors": n_actors, "n_docs": n, "tokens": s["tokens"], "wall_s": s["wall_s"],
-            "e2e_tok_s": s["tokens_per_s"], "steady_tok_s": steady_tok_s(arrivals, n_actors),
-            "driver_bytes_per_doc": s["driver_received_bytes"] / n,
-            "driver_pickled_bytes_per_doc": s["driver_received_pickled"] / n,
-            "state_bytes_per_doc": state_b[0] / n, "notes_bytes_per_doc": notes_b[0] / n,
-            "store_bytes": s["bytes"], "files": count_files(output), "cpu": cw.result}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,7 +276,7 @@ def run_base(args, corpus, output, model, n_actors, group) -> dict:
 def rss_child(args) -> None:
     import ray
     ray.init(address=args.ray_address, log_to_driver=False)     # workers: the parent's raylet environment
-    import notebank.pipeline.dataplane  # noqa: F401 - imports done before the baseline RSS is read
+    import notebank.pipeline.dataplane  # noqa: F401 - imports done before the starting RSS is read
     import notebank.pipeline.actors  # noqa: F401
     import ray.data  # noqa: F401
     from notebank.pipeline.ingest import run_ingest
@@ -415,12 +396,11 @@ def main(argv=None) -> dict:
     try:
         corpus = make_corpus(tmp / "corpus", args.tput_docs, *args.doc_chars, seed=1)
         small = model_for(args)
-        # --- throughput: 1 vs 2 actors, both designs, alternated -----------------------------------
-        order = [("new", 1), ("baseline", 1), ("new", 2), ("baseline", 2)]
+        # --- throughput: 1 vs 2 actors, alternated -------------------------------------------------
+        order = [("new", 1), ("new", 2)]
         for rep in range(args.repeats):
             for design, na in (order if rep % 2 == 0 else order[::-1]):
-                fn = run_new if design == "new" else run_base
-                r = fn(args, corpus, tmp / f"t-{design}-{na}-{rep}", small, na, args.tput_group)
+                r = run_new(args, corpus, tmp / f"t-{design}-{na}-{rep}", small, na, args.tput_group)
                 r["rep"] = rep
                 runs.append(r)
                 print(f"[dataplane] {design} x{na} rep {rep}: {r['tokens']} tok, e2e {r['e2e_tok_s']:.0f} tok/s, "
@@ -429,10 +409,8 @@ def main(argv=None) -> dict:
         # --- bytes: the larger state ------------------------------------------------------------------
         large = tiny_model(args.hidden_large)
         bcorpus = make_corpus(tmp / "bytes-corpus", args.bytes_docs, *args.doc_chars, seed=1)
-        big = {"new": run_new(args, bcorpus, tmp / "b-new", large, 1, args.tput_group),
-               "baseline": run_base(args, bcorpus, tmp / "b-base", large, 1, args.tput_group)}
+        big = {"new": run_new(args, bcorpus, tmp / "b-new", large, 1, args.tput_group)}
         sm_new = [r for r in runs if r["design"] == "new" and r["actors"] == 1][0]
-        sm_base = [r for r in runs if r["design"] == "baseline" and r["actors"] == 1][0]
         # --- RSS children -----------------------------------------------------------------------------
         rss = {n: run_rss(args, tmp, n) for n in args.rss_n}
     finally:
@@ -451,14 +429,12 @@ def main(argv=None) -> dict:
     n_small, n_big = args.rss_n
     r_small, r_big = rss[n_small], rss[n_big]
     hs, hl = (args.model or f"hidden {args.hidden_small}"), f"hidden {args.hidden_large}"
-    state_small = sm_base["state_bytes_per_doc"]
-    state_large = big["baseline"]["state_bytes_per_doc"]
+    state_small = sm_new["state_bytes_per_doc"]
+    state_large = big["new"]["state_bytes_per_doc"]
     new_files = r_big["files"]["total"] / r_big["n_docs"] * 1000
-    base_run = [r for r in runs if r["design"] == "baseline"][0]
-    base_files = base_run["files"]["total"] / base_run["n_docs"] * 1000
-    steady_new, steady_base = ratio("new", "steady_tok_s"), ratio("baseline", "steady_tok_s")
+    steady_new = ratio("new", "steady_tok_s")
     why = None
-    if any(x is not None and x < 1.6 for x in (steady_new, steady_base)):
+    if steady_new is not None and steady_new < 1.6:
         top = {}
         for r in runs:
             for t in r["cpu"]["top_other"]:
@@ -470,8 +446,7 @@ def main(argv=None) -> dict:
                                        sorted(top.items(), key=lambda kv: -kv[1])[:6]],
                "explanation": (
                    f"{os.cpu_count()} cores for 2 actors (1 torch thread each) AND the driver, Ray's own processes "
-                   f"(raylet, GCS, Ray Data's stats/coordinator actors, the 0.5-CPU read tasks) and, in the baseline, "
-                   f"the driver's own Parquet/safetensors writes; other processes on the machine used a median "
+                   f"(raylet, GCS, Ray Data's stats/coordinator actors, the 0.5-CPU read tasks); other processes on the machine used a median "
                    f"{other_busy} CPUs during the throughput runs (see each run's `cpu`). With 2 actors there is "
                    f"no idle core left for any of that, so 2 actors cannot reach 2x here.")}
     res = {
@@ -492,16 +467,11 @@ def main(argv=None) -> dict:
                                              hl: round(big["new"]["record_bytes_per_doc"], 1)},
                     "scan_bytes_per_doc": {hs: round(sm_new["scan_bytes_per_doc"], 1),
                                            hl: round(big["new"]["scan_bytes_per_doc"], 1)}},
-            "baseline": {hs: round(sm_base["driver_bytes_per_doc"], 1),
-                         hl: round(big["baseline"]["driver_bytes_per_doc"], 1)},
             "state_bytes_per_doc": {hs: round(state_small, 1), hl: round(state_large, 1)},
             "new_large_over_small": round(big["new"]["driver_bytes_per_doc"] / sm_new["driver_bytes_per_doc"], 3),
-            "baseline_large_over_small": round(big["baseline"]["driver_bytes_per_doc"] / sm_base["driver_bytes_per_doc"], 3),
             "n_docs": {hs: sm_new["n_docs"], hl: big["new"]["n_docs"]},
-            "how": "new: pickled on_commit records + pickled scan rows (ds.take_all), per document; baseline: "
-                   "len(notes) + len(state) of every ingest_doc result (pickled result dicts: baseline_pickled)",
-            "baseline_pickled": {hs: round(sm_base["driver_pickled_bytes_per_doc"], 1),
-                                 hl: round(big["baseline"]["driver_pickled_bytes_per_doc"], 1)}},
+            "how": "pickled on_commit records + pickled scan rows (ds.take_all), per document; state: the "
+                   "bytes under state/ per document"},
         "driver_rss_growth_mib": {
             f"rss_{n_small}": r_small["ru_maxrss_peak_mib"], f"rss_{n_big}": r_big["ru_maxrss_peak_mib"],
             "growth": round(r_big["ru_maxrss_peak_mib"] - r_small["ru_maxrss_peak_mib"], 1),
@@ -519,23 +489,14 @@ def main(argv=None) -> dict:
                     "e2e_1": tput("new", 1, "e2e_tok_s"), "e2e_2": tput("new", 2, "e2e_tok_s"),
                     "e2e_ratio": ratio("new", "e2e_tok_s")},
             "n_docs": args.tput_docs, "tokens": runs[0]["tokens"], "repeats": args.repeats,
-            "how": "tokens/s, median over repeats; steady: arrivals after the first group (new) / document "
-                   "(baseline) per actor; e2e: run_ingest wall incl. model probe, actor start, scan",
+            "how": "tokens/s, median over repeats; steady: arrivals after the first group per actor; e2e: "
+                   "run_ingest wall incl. model probe, actor start, scan",
             "why_below_1_6": why},
-        "files_per_1000_docs": {"new": round(new_files, 1), "baseline": round(base_files, 1),
+        "files_per_1000_docs": {"new": round(new_files, 1),
                                 "new_by_dir": r_big["files"]["by_dir"], "new_n_docs": r_big["n_docs"],
-                                "new_docs_per_group": args.rss_group,
-                                "baseline_by_dir": base_run["files"]["by_dir"], "baseline_n_docs": base_run["n_docs"]},
-        "baseline": {
-            "driver_bytes_per_doc": {hs: round(sm_base["driver_bytes_per_doc"], 1),
-                                     hl: round(big["baseline"]["driver_bytes_per_doc"], 1)},
-            "actors_2_vs_1": {"1": tput("baseline", 1, "steady_tok_s"), "2": tput("baseline", 2, "steady_tok_s"),
-                              "ratio": steady_base, "e2e_1": tput("baseline", 1, "e2e_tok_s"),
-                              "e2e_2": tput("baseline", 2, "e2e_tok_s"), "e2e_ratio": ratio("baseline", "e2e_tok_s")},
-            "files_per_1000_docs": round(base_files, 1),
-            "design": "bench/baseline_pool_ingest.py (pre-Ray-Data pool.dispatch driver)"},
+                                "new_docs_per_group": args.rss_group},
         "n_docs": {"throughput": args.tput_docs, "bytes_large": args.bytes_docs, "rss": args.rss_n},
-        "runs": runs + [dict(big["new"], rep="bytes-large"), dict(big["baseline"], rep="bytes-large")],
+        "runs": runs + [dict(big["new"], rep="bytes-large")],
         "total_s": round(time.perf_counter() - t_all, 1),
     }
     out = Path(args.out)
@@ -545,10 +506,10 @@ def main(argv=None) -> dict:
     if md != "none":
         Path(md).write_text(markdown(res, hs, hl))
     print(json.dumps({"out": str(out), "total_s": res["total_s"],
-                      "driver_bytes_per_doc": {k: res["driver_bytes_per_doc"][k] for k in ("new", "baseline")},
+                      "driver_bytes_per_doc": res["driver_bytes_per_doc"]["new"],
                       "rss": {k: v for k, v in res["driver_rss_growth_mib"].items() if k.startswith(("rss", "growth"))},
-                      "actors_2_vs_1": {"new": res["actors_2_vs_1"]["new"], "baseline": res["baseline"]["actors_2_vs_1"]},
-                      "files": {k: res["files_per_1000_docs"][k] for k in ("new", "baseline")}}, indent=1))
+                      "actors_2_vs_1": res["actors_2_vs_1"]["new"],
+                      "files_per_1000_docs": res["files_per_1000_docs"]["new"]}, indent=1))
     return res
 
 
@@ -584,54 +545,69 @@ def _b(x: float) -> str:
     return f"{x:.0f} B"
 
 
+# The pre-Ray-Data driver (pipeline/pool.py's actor pool; the driver received every document's notes
+# and state and wrote them itself), measured against this pipeline in one run of this script on
+# 2026-12-02 (2 CPUs, AMD EPYC; Ray 2.60.0, torch 2.13.0+cpu; same corpus, model and settings), then
+# deleted. Kept as history in every dataplane.md this script writes.
+HISTORY = """## History: the pre-Ray-Data driver (measured 2026-12-02, since deleted)
+
+One run of `python bench/dataplane.py` on 2 CPUs (AMD EPYC), Ray 2.60.0, torch 2.13.0+cpu; the old
+design was `bench/baseline_pool_ingest.py` (an actor pool; the driver received every document's notes
+and state and wrote three files per document). Both designs in the same run, alternated.
+
+| measurement | new (Ray Data) | old (actor pool, driver writes) |
+|---|---|---|
+| driver bytes received / doc, hidden 64 (state 7.5 KiB) | 359 B | 12537 B |
+| driver bytes received / doc, hidden 256 (state 152.5 KiB) | 372 B | 161762 B |
+| large / small | x1.04 | x12.90 |
+| tokens/s steady, 1 / 2 actors (median of 2) | 55291 / 109533 (x1.98) | 57413 / 98233 (x1.71) |
+| tokens/s end to end, 1 / 2 actors | 24047 / 33395 (x1.39) | 38804 / 46109 (x1.19) |
+| files per 1,000 docs | 1049 (docs_per_group 64) | 3004 |
+
+Fixed cost per job at 1 actor: new 13 s (a model-probe task loads the model, then every actor loads
+it again, plus Ray Data planning and the scan), old 5 s.
+"""
+
+
 def markdown(r: dict, hs: str, hl: str) -> str:
     db, rss, a, f = r["driver_bytes_per_doc"], r["driver_rss_growth_mib"], r["actors_2_vs_1"], r["files_per_1000_docs"]
-    base = r["baseline"]["actors_2_vs_1"]
     m = r["machine"]
     ns, nb = rss["n_docs"]
     fmt = lambda x: "—" if x is None else f"{x:.0f}"   # noqa: E731
     g = gpu_calc(db["new"][hs])
     lines = [
-        f"# Ingest data plane: Ray Data pipeline vs the old pool.dispatch driver ({r['date'][:10]})", "",
+        f"# Ingest data plane: the Ray Data pipeline's driver and throughput ({r['date'][:10]})", "",
         f"Command: `nice -n 10 .venv/bin/{r['command']}` (one run; recorded as `command` in the JSON)  ",
         f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB RAM; Ray {r['versions']['ray']}, "
         f"torch {r['versions']['torch']}. Raw numbers: `dataplane.json`.  ",
         f"Model: tiny random-init GDN (byte tokenizer, TINY_MODEL = {hs}; {hl} for the state-size check); "
-        f"NoteBank TINY_NB (C=128); 1 torch thread and {r['setup']['actor_num_cpus']} Ray CPU per actor. "
-        f"Baseline: `bench/baseline_pool_ingest.py` (the pre-Ray-Data driver loop).", "",
-        "| measurement | new (Ray Data) | old (pool.dispatch) |", "|---|---|---|",
-        f"| driver bytes received / doc, {hs} (state {_b(db['state_bytes_per_doc'][hs])}) | "
-        f"{db['new'][hs]:.0f} B | {db['baseline'][hs]:.0f} B |",
-        f"| driver bytes received / doc, {hl} (state {_b(db['state_bytes_per_doc'][hl])}) | "
-        f"{db['new'][hl]:.0f} B | {db['baseline'][hl]:.0f} B |",
-        f"| large / small | x{db['new_large_over_small']:.2f} | x{db['baseline_large_over_small']:.2f} |",
+        f"NoteBank TINY_NB (C=128); 1 torch thread and {r['setup']['actor_num_cpus']} Ray CPU per actor.", "",
+        "| measurement | Ray Data pipeline |", "|---|---|",
+        f"| driver bytes received / doc, {hs} (state {_b(db['state_bytes_per_doc'][hs])}) | {db['new'][hs]:.0f} B |",
+        f"| driver bytes received / doc, {hl} (state {_b(db['state_bytes_per_doc'][hl])}) | {db['new'][hl]:.0f} B |",
+        f"| large / small | x{db['new_large_over_small']:.2f} |",
         f"| driver peak RSS, {ns} / {nb} docs | {rss[f'rss_{ns}']:.0f} / {rss[f'rss_{nb}']:.0f} MiB "
-        f"(growth {rss['growth']:+.1f} MiB; sampled during ingest {rss['sampled_peak_growth']:+.1f} MiB) | "
-        f"not measured |",
+        f"(growth {rss['growth']:+.1f} MiB; sampled during ingest {rss['sampled_peak_growth']:+.1f} MiB) |",
         f"| tokens/s steady, 1 / 2 actors (median of {a['repeats']}) | {fmt(a['new']['1'])} / {fmt(a['new']['2'])} "
-        f"(x{a['new']['ratio'] or 0:.2f}) | {fmt(base['1'])} / {fmt(base['2'])} (x{base['ratio'] or 0:.2f}) |",
+        f"(x{a['new']['ratio'] or 0:.2f}) |",
         f"| tokens/s end to end, 1 / 2 actors | {fmt(a['new']['e2e_1'])} / {fmt(a['new']['e2e_2'])} "
-        f"(x{a['new']['e2e_ratio'] or 0:.2f}) | {fmt(base['e2e_1'])} / {fmt(base['e2e_2'])} "
-        f"(x{base['e2e_ratio'] or 0:.2f}) |",
-        f"| files per 1,000 docs | {f['new']:.0f} (docs_per_group {f['new_docs_per_group']}) | {f['baseline']:.0f} |",
+        f"(x{a['new']['e2e_ratio'] or 0:.2f}) |",
+        f"| files per 1,000 docs | {f['new']:.0f} (docs_per_group {f['new_docs_per_group']}) |",
         "",
         f"Throughput corpus: {a['n_docs']} documents, {a['tokens']} tokens; the RSS runs use {nb} documents of "
         f"{r['setup']['rss_doc_chars'][0]}-{r['setup']['rss_doc_chars'][1]} bytes.",
     ]
     tok = a["tokens"]
     fixed = lambda d: tok / d["e2e_1"] - tok / d["1"] if d["e2e_1"] and d["1"] else None   # noqa: E731
-    fn, fb = fixed(a["new"]), fixed(base)
+    fn = fixed(a["new"])
     busy = [x["cpu"]["other_processes_cpus_busy"] for x in r["runs"] if x["rep"] != "bytes-large"]
     lo, hi = min(busy), max(busy)
-    lines += ["", "Reading the throughput rows: steady = tokens of the groups (new, timed by their commit records' "
-              "mtimes) or documents (old) after each actor's first, over the time since; end to end includes "
-              "start-up. Fixed cost per job at 1 actor (end-to-end time minus tokens / steady rate): new "
-              f"{fn or 0:.0f} s (a model-probe task loads the model, then every actor loads it again, plus Ray Data "
-              f"planning and the scan), old {fb or 0:.0f} s. At 1 actor the old design can use both cores (the driver "
-              "writes one document's files while the actor computes the next); the new actor computes and writes "
-              f"itself. Load from other processes varied from {lo:.2f} to {hi:.2f} CPUs (of {r['machine']['nproc']}) "
-              "between runs, which moves tokens/s by more than the difference between the designs: on this machine "
-              "the 2-vs-1 ratios measure that load as much as the data plane."]
+    lines += ["", "Reading the throughput rows: steady = tokens of the groups (timed by their commit records' "
+              "mtimes) after each actor's first, over the time since; end to end includes start-up. Fixed cost "
+              f"per job at 1 actor (end-to-end time minus tokens / steady rate): {fn or 0:.0f} s (a model-probe "
+              "task loads the model, then every actor loads it again, plus Ray Data planning and the scan). Load "
+              f"from other processes varied from {lo:.2f} to {hi:.2f} CPUs (of {r['machine']['nproc']}) between "
+              "runs: on this machine the 2-vs-1 ratios measure that load as much as the data plane."]
     lines += ["", "Every throughput run, in the order run (`other CPUs` = CPU seconds used by processes outside this "
               "benchmark's process tree / wall time: other engineers' tests on the shared machine):", "",
               "| run | design | actors | steady tok/s | end-to-end tok/s | other CPUs busy |", "|---|---|---|---|---|---|"]
@@ -665,7 +641,7 @@ def markdown(r: dict, hs: str, hl: str) -> str:
         "store, plus up to 2 results (~100 MiB) in flight per GPU; the GPUs would wait on the driver. New design: "
         "each actor writes its ~50 MiB per document to the store itself (the same aggregate store bandwidth, "
         "spread over 64 writers), and the driver sees tens of KiB/s of records.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + HISTORY
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def main(argv=None):
     res["model_meta"] = {k: meta.get(k) for k in ("model", "steps", "tokens", "wall_s", "params")}
     adapters = {"nb_lora": os.path.join(args.work, "nb-lora"), "plain_lora": os.path.join(args.work, "plain-lora")}
     if not args.skip_train:
-        from notebank.pipeline.pool import init_ray
+        from notebank.pipeline.cli import init_ray
         from notebank.pipeline.config import RaySpec
         init_ray(RaySpec(num_cpus=args.workers))
         for name, replay in (("nb-lora", True), ("plain-lora", False)):

@@ -1,4 +1,4 @@
-"""Callable classes for Ray Data's `map_batches` / `map_groups`: one loaded memory backend per actor.
+"""Callable classes for Ray Data's `map_batches`: one loaded memory backend per actor.
 
 Both actors hold one ``nbcore.memory.MemoryBackend`` (``get_backend(memory, ...)``: NoteBank on the
 frozen backbone, or MoNe: the frozen base + its meta-trained parameters) and only call its generic
@@ -49,7 +49,7 @@ def sha256_text(text: str) -> str:
 def build_memory(model: dict, memory: str = "notebank", nb: dict | None = None, block_size: int = 8192,
                  mone_adapters: str | None = None, torch_threads: int = 1):
     """-> (MemoryBackend, tokenizer fingerprint). NoteBank: the backbone of the ModelSpec dict
-    (pipeline.worker.build_backbone); MoNe: ``MoneBackend.load(model.path, mone_adapters, tokenizer)``
+    (nbcore.backbones.loading.build_backbone); MoNe: ``MoneBackend.load(model.path, mone_adapters, tokenizer)``
     (the tokenizer of model.tokenizer, else the checkpoint's own)."""
     from nbcore.memory import get_backend
     from nbcore.backbones.loading import build_backbone, build_tokenizer, tokenizer_fingerprint
@@ -255,9 +255,14 @@ class QueryActor(MemoryLoader):
         self.docs = ray.get(docs_ref) if isinstance(docs_ref, ray.ObjectRef) else docs_ref
         self.provenance = provenance
 
-    def __call__(self, batch) -> dict:
-        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else _rows_of(batch)
-        return self.answer_document(rows)
+    def __call__(self, batch: dict) -> dict:
+        """batch: documents, each a row whose `questions` holds its question rows as JSON
+        (pipeline.dataplane._pack_document) -> the records of every answer row, as columns."""
+        out: dict[str, list] = {}
+        for packed in batch["questions"]:
+            for k, v in self.answer_document(json.loads(packed)).items():
+                out.setdefault(k, []).extend(v)
+        return out
 
     @torch.no_grad()
     def answer_document(self, questions: list[dict]) -> dict:
@@ -296,8 +301,7 @@ class QueryActor(MemoryLoader):
                     continue
                 out_rows.append({**base, **self._answer(mem, q, read)})
         key = hashlib.sha1(json.dumps(sorted((r["question_id"], r["method"]) for r in out_rows)).encode()).hexdigest()[:16]
-        from notebank.pipeline.store import doc_key
-        dk = doc_key(doc_id)[0] or hashlib.sha1(doc_id.encode()).hexdigest()[:16]
+        dk = S.doc_key(doc_id)[0] or hashlib.sha1(doc_id.encode()).hexdigest()[:16]
         table = answer_rows_table(out_rows)
         from notebank.schemas._base import table_to_parquet_bytes
         self.out.atomic_write(f"part-{dk}-{key}.parquet", table_to_parquet_bytes(table))
@@ -331,9 +335,3 @@ def read_corpus_text(at: dict) -> str:
         if i > at["row"]:
             break
     raise ArchiveError(f"{at['shard']}: row {at['row']} is gone (the shard changed during the job?)")
-
-
-def _rows_of(batch: dict) -> list[dict]:
-    cols = list(batch)
-    n = len(batch[cols[0]]) if cols else 0
-    return [{c: (batch[c][i].item() if hasattr(batch[c][i], "item") else batch[c][i]) for c in cols} for i in range(n)]

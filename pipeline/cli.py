@@ -65,8 +65,27 @@ def resolve_for_cluster(cfg) -> list[str]:
     return changed
 
 
+def init_ray(spec=None) -> bool:
+    """Connect to `spec.address`, else $RAY_ADDRESS (set by `ray job submit`), else start a new local
+    Ray. spec: a RaySpec (default RaySpec()). Returns True if this call started/connected Ray (the
+    caller then shuts it down)."""
+    import ray
+
+    from notebank.pipeline.config import RaySpec
+    if ray.is_initialized():
+        return False
+    spec = spec or RaySpec()
+    address = spec.address or os.environ.get("RAY_ADDRESS") or "local"
+    kwargs = {"namespace": spec.namespace, "log_to_driver": True}
+    if address == "local":
+        kwargs.update(include_dashboard=False, num_cpus=spec.num_cpus)
+    ray.init(address=address, **kwargs)
+    return True
+
+
 def setup(cfg):
-    from notebank.pipeline.pool import init_ray
+    from notebank.pipeline.ray_stderr import drop_ray_data_restart_warning
+    drop_ray_data_restart_warning()     # one known-false core_worker error line per actor (see that module)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not getattr(cfg.ray, "address", None) and not os.environ.get("RAY_ADDRESS"):
         # the phase a person waits through before the first progress bar (20-60 s on a busy machine)

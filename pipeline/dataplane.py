@@ -18,11 +18,10 @@ from collections import defaultdict
 import fsspec
 
 from notebank.pipeline.archive import Archive, ArchiveError, FingerprintMismatch, fingerprint_digest
-from notebank.pipeline.archive_io import run_fingerprint
 from notebank.pipeline.config import ConfigError
 from notebank.pipeline.corpus import list_shards, shard_slug
-from notebank.pipeline.store import doc_key
 from notebank.schemas import archive as S
+from notebank.schemas.archive import doc_key
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,14 @@ def _run_info(job: str) -> dict:
     return {"job": job, "argv": " ".join(sys.argv)[:500], "host": socket.gethostname(), "pid": os.getpid()}
 
 
+def io_tasks(n_inputs: int):
+    """Ray Data's compute for a scan or read stage over `n_inputs` items: up to 4 concurrent tasks (the
+    callers give them 0 CPUs: they wait on I/O, and must run beside actors that hold every CPU of a
+    small cluster). Never more tasks than inputs (Ray Data warns about a pool it cannot fill)."""
+    import ray
+    return ray.data.TaskPoolStrategy(size=max(1, min(4, n_inputs)))
+
+
 def quiet_ray_data(progress: bool) -> None:
     """Our own progress bar (with totals) replaces Ray Data's per-operator bars and INFO lines."""
     import ray
@@ -67,6 +74,23 @@ def quiet_ray_data(progress: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def require_room_for_actor(num_cpus: float, num_gpus: float,
+                           keys: tuple[str, str] = ("actors.num_cpus", "actors.num_gpus")) -> None:
+    """Refuse at once (ConfigError) when no node of the Ray cluster has the CPUs and GPUs of one actor:
+    Ray would otherwise queue the actor (and the job) forever without a word. Checked against the
+    nodes alive now; an autoscaling cluster must start with one node that fits an actor. keys: the
+    config keys that set num_cpus and num_gpus (named in the message)."""
+    import ray
+    need = {"CPU": float(num_cpus or 0), "GPU": float(num_gpus or 0)}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(r.get(k, 0.0) >= v for k, v in need.items()) for r in nodes):
+        return
+    have = "; ".join(f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs" for r in nodes) or "no live node"
+    raise ConfigError(f"each actor needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs ({keys[0]}, {keys[1]}), but "
+                      f"no Ray node has that (nodes: {have}). Lower {keys[0]} / {keys[1]}, or start Ray with more "
+                      f"(ray.num_cpus for a local Ray)")
+
+
 def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: str | None = None,
                 nb: dict | None = None) -> dict:
     """Load the memory backend once in a Ray task with the actors' resources -> fingerprint (the
@@ -74,6 +98,7 @@ def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: st
     (family/channels, or the MoNe config). A bad checkpoint fails here, once, with one clear error
     (not one per actor restart)."""
     import ray
+    require_room_for_actor(actors.num_cpus, actors.num_gpus)
 
     def _probe(model):
         from notebank.pipeline.actors import build_memory, memory_info
@@ -93,6 +118,27 @@ def probe_model(model: dict, actors, memory: str = "notebank", mone_adapters: st
         raise ConfigError(f"{memory} model could not be loaded ({model.get('path') or model.get('hf_config', {}).get('model_type')}): "
                           f"{info['error']}")
     return info
+
+
+# The schema versions a NoteBank run fingerprint names. Frozen: they are part of every existing
+# archive's manifest/_run.json (and its digest in each commit record), so changing them would make
+# a rerun refuse every archive written so far.
+RUN_SCHEMA_VERSIONS = {"notes": 1, "state": 1, "manifest": 1}
+
+
+def run_fingerprint(model_fingerprint: str, family: str, n_channels: int, nb, tokenizer: str | None = None) -> dict:
+    """What every NoteBank archive in an output folder is a pure function of (besides the documents).
+    nb: the writer's NoteBankConfig."""
+    return {
+        "model": model_fingerprint,
+        "tokenizer": tokenizer,
+        "family": family,
+        "n_channels": int(n_channels),
+        "notebank": nb.to_dict(),
+        "notebank_digest": nb.digest(),
+        "projection_seed": nb.seed,
+        "schema_versions": dict(RUN_SCHEMA_VERSIONS),
+    }
 
 
 def memory_run_fingerprint(cfg, info: dict) -> dict:
@@ -350,7 +396,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
         for p in problems:
             log.warning("%s", p)
         scans = (ray.data.from_items([{"shard": s} for s in shards])
-                 .map(_scan_corpus, num_cpus=0, concurrency=4).take_all())
+                 .map(_scan_corpus, num_cpus=0, compute=io_tasks(len(shards))).take_all())
         order = {s: i for i, s in enumerate(shards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         redo, notes = groups_to_retry(scans, valid, cfg) if getattr(cfg, "retry_failed", True) else ({}, [])
@@ -387,7 +433,7 @@ def ingest_dataset(cfg, on_commit=None) -> dict:
             items = [{"shard": s, "group": g, "seek": json.dumps(counts["seeks"][(s, g)]), "plan": json.dumps(rows)}
                      for s, groups in plan.items() for g, rows in groups.items()]
             ds = ray.data.from_items(items, override_num_blocks=len(items))
-            ds = ds.flat_map(_read_groups, num_cpus=0, concurrency=4)
+            ds = ds.flat_map(_read_groups, num_cpus=0, compute=io_tasks(len(items)))
             # Ray Data restarts dead actors and retries their batches without limit (its defaults)
             remote = {"accelerator_type": cfg.actors.accelerator_type} if cfg.actors.accelerator_type else {}
             from notebank.pipeline.actors import IngestActor
@@ -565,7 +611,7 @@ def query_dataset(cfg) -> dict:
     import ray
 
     from notebank.pipeline.actors import QueryActor
-    from notebank.pipeline.query import rc_json, write_rejected
+    from notebank.pipeline.query import write_rejected
     from notebank.pipeline.safety import acquire_lease, check_no_escape, check_query_output
     t_start = time.perf_counter()
     _require_shared_store(cfg.output, "output")
@@ -608,7 +654,8 @@ def query_dataset(cfg) -> dict:
         problems += p2
         retry = getattr(cfg, "retry_failed", True)
         done = ok_pairs if retry else ok_pairs | set(failed)
-        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0, concurrency=4).take_all()
+        scans = ray.data.from_items([{"shard": s} for s in qshards]).map(_scan_questions, num_cpus=0,
+                                                                         compute=io_tasks(len(qshards))).take_all()
         order = {s: i for i, s in enumerate(qshards)}
         scans.sort(key=lambda sc: order[sc["shard"]])
         methods = list(cfg.methods)
@@ -631,10 +678,11 @@ def query_dataset(cfg) -> dict:
             stats["rows"] += len(rows)
         bar = progress_bar(cfg.progress, counts.get("to_answer", 0), "q", "query")
         if keep:
-            needed = {}
+            needed, row_doc = {}, {}
             for sc in scans:
                 for row, qid, did, err in json.loads(sc["rows"]):
                     if str(row) in keep.get(sc["shard"], {}) and did in committed:
+                        row_doc[(sc["shard"], str(row))] = did
                         c = committed[did]
                         needed[did] = ({"text_at": c["text_at"]} if cfg.onepass else
                                        {k: c[k] for k in ("state", "notes_files", "generation", "n_tokens")})
@@ -650,19 +698,22 @@ def query_dataset(cfg) -> dict:
                     ms = keep.get(sc["shard"], {}).get(str(row))
                     if ms and any((qid, m) in retried for m in ms):
                         again[sc["shard"]][str(row)] = [m for m in ms if (qid, m) in retried]
-            ds = (ray.data.from_items([{"shard": s, "keep": json.dumps(k), "retried": json.dumps(again.get(s, {}))}
-                                       for s, k in keep.items()])
-                  .flat_map(_read_questions, num_cpus=0, concurrency=4)
-                  .groupby("doc_id")
-                  .map_groups(QueryActor, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
-                              num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
-                              fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output,
-                                                         read=read, nb=nb, docs_ref=[docs_ref], provenance=provenance,
-                                                         torch_threads=cfg.actors.torch_threads
-                                                         or max(1, int(cfg.actors.num_cpus)),
-                                                         memory=cfg.memory, mone_adapters=adapters,
-                                                         block_size=cfg.block_size),
-                              **remote))
+            # One row per document (all its question rows, as JSON), grouped by the read tasks from the
+            # driver's plan (question ids only): no shuffle. A Ray Data groupby's hash shuffle runs
+            # beside the actor pool and, on a small cluster (ray.num_cpus=1), waits forever for the
+            # CPUs the actors hold.
+            reads = document_reads(keep, row_doc)
+            docs = (ray.data.from_items([{"reads": json.dumps(r), "retried": json.dumps({s: again.get(s, {}) for s in r})}
+                                         for r in reads], override_num_blocks=len(reads))
+                    .flat_map(_read_document_questions, num_cpus=0, compute=io_tasks(len(reads))))
+            ds = docs.map_batches(
+                QueryActor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=cfg.actors.num_actors),
+                num_cpus=cfg.actors.num_cpus, num_gpus=cfg.actors.num_gpus or None,
+                fn_constructor_kwargs=dict(model=model, archive=cfg.archive, output=cfg.output, read=read, nb=nb,
+                                           docs_ref=[docs_ref], provenance=provenance,
+                                           torch_threads=cfg.actors.torch_threads or max(1, int(cfg.actors.num_cpus)),
+                                           memory=cfg.memory, mone_adapters=adapters, block_size=cfg.block_size),
+                **remote)
             seen_q = set()
             for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
                 for rec in batch.to_dict("records"):
@@ -688,7 +739,8 @@ def corpus_locations(shards: list[str]) -> dict:
     """One-pass mode: {doc_id: {"text_at": {shard, seek, row}}} of a corpus (first row of each id wins);
     rows without a usable id or text are left out (their questions get error rows)."""
     import ray
-    scans = ray.data.from_items([{"shard": s} for s in shards]).map(_scan_corpus, num_cpus=0, concurrency=4).take_all()
+    scans = ray.data.from_items([{"shard": s} for s in shards]).map(_scan_corpus, num_cpus=0,
+                                                                                compute=io_tasks(len(shards))).take_all()
     order = {s: i for i, s in enumerate(shards)}
     scans.sort(key=lambda sc: order[sc["shard"]])
     out: dict = {}
@@ -706,11 +758,39 @@ def _rc_fields(rc) -> dict:
     return d
 
 
+def document_reads(keep: dict, row_doc: dict) -> list[dict]:
+    """The read items of a query: {shard: {row: methods}} each, such that every document's planned
+    rows are in exactly one item. One item per shard for the documents whose questions are all in
+    that shard; one more for the documents whose questions span shards (it reads those shards)."""
+    shards_of: dict = defaultdict(set)
+    for (shard, row), did in row_doc.items():
+        shards_of[did].add(shard)
+    per_shard: dict = defaultdict(dict)
+    spanning: dict = defaultdict(dict)
+    for shard, rows in keep.items():
+        for row, methods in rows.items():
+            did = row_doc.get((shard, row))
+            if did is None:
+                continue
+            (per_shard[shard] if len(shards_of[did]) == 1 else spanning[shard])[row] = methods
+    items = [{s: rows} for s, rows in per_shard.items()]
+    return items + ([dict(spanning)] if spanning else [])
+
+
+def _read_document_questions(item) -> list[dict]:
+    """One read item -> one row per document: doc_id + all its planned question rows as JSON."""
+    from notebank.pipeline.corpus import read_question_rows
+    by_doc: dict = defaultdict(list)
+    again = json.loads(item.get("retried") or "{}")       # {shard: {row: [methods retried]}}
+    for shard, rows in json.loads(item["reads"]).items():
+        for q in read_question_rows({"shard": shard, "keep": json.dumps(rows),
+                                     "retried": json.dumps(again.get(shard, {}))}):
+            by_doc[q["doc_id"]].append(q)
+    return [{"doc_id": d, "questions": json.dumps(qs)} for d, qs in by_doc.items()]
+
+
 def _scan_questions(item):
     from notebank.pipeline.corpus import scan_question_shard
     return scan_question_shard(item)
 
 
-def _read_questions(item):
-    from notebank.pipeline.corpus import read_question_rows
-    return read_question_rows(item)

@@ -1,4 +1,4 @@
-"""The evaluation sweep runner on Ray: one runner for every `benchmark:` job of jobs/evaluate.py.
+"""The evaluation sweep runner on Ray Data: one runner for every `benchmark:` job of jobs/evaluate.py.
 
 A job config (pipeline/benchmarks.py names them: `ruler` pipeline/evaluate_ruler.py, `longbench`
 pipeline/evaluate_longbench.py, `mone` pipeline/evaluate_mone.py) turns its YAML into cells, one per
@@ -8,8 +8,11 @@ pipeline/evaluate_longbench.py, `mone` pipeline/evaluate_mone.py) turns its YAML
            example item, the model spec, methods, notebank config, labels, and its Parquet `path`
   resume   a cell whose file exists is done (files are written to a temporary name, then renamed);
            with cfg.measurement_key, cells are also restored from a shipped results.parquet
-  fan out  one Ray task per cell (run_cell): load the model (once per worker process), rebuild the
-           benchmark, benchmark.evaluate(model, item, methods), stamp the labels, commit the rows
+  fan out  one Ray Data dataset of the cells, ordered by model (backbone spec):
+           map_batches(CellRunner, batch_size=1, compute=ActorPoolStrategy(size=n), num_gpus=...): an
+           actor loads a model when its first cell of that model arrives (so once per model), then per
+           cell rebuilds the benchmark, runs benchmark.evaluate(model, item, methods), stamps the
+           labels and commits the cell's Parquet file itself; the driver gets one small record per cell
   results  <output>/results.parquet from the finished cells (checked by cfg.validate_rows), then
            cfg.write_report(rows, cells, notes): summary.json, report.md and plots (pipeline/reporting)
   report   report_from_results: the report again from results.parquet alone (--report-only)
@@ -19,6 +22,7 @@ summary.json, report.md, *.png.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -27,7 +31,7 @@ from typing import ClassVar
 
 from nbcore.config import NoteBankConfig
 from notebank.pipeline.config import BenchmarkJobConfig, ConfigError, ModelSpec
-from notebank.pipeline.fanout import cell_result, finish_sweep, run_all, unfinished
+from notebank.pipeline.fanout import cell_result, finish_sweep, unfinished
 
 K = 1024
 
@@ -61,6 +65,8 @@ class SweepJobConfig(BenchmarkJobConfig):
     measurement_key: ClassVar[list[str] | None] = None      # columns naming one measurement: shipped
     #                                                         results.parquet rows are kept and restored
     report_planned_only: ClassVar[bool] = False             # report the planned cells (else every finished one)
+    num_actors: int = 0                     # model-holding actors per model; 0: as many as the Ray cluster fits
+    accelerator_type: str | None = None     # e.g. H100 (Ray accelerator type of the actors' GPUs)
 
     def plan(self) -> tuple[list[dict], dict]:
         """-> (cells, notes): the cells in plan order; notes are planning facts for the report/summary."""
@@ -169,39 +175,31 @@ def cell_path(output: str, *parts) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# One cell (a Ray task)
+# One cell, on an actor that holds the model
 # ---------------------------------------------------------------------------------------------
-_MODELS: dict = {}
-
-
 def load_model(bench, spec: dict):
-    """The model a benchmark evaluates, loaded once per worker process and spec: an nbcore Backbone
-    (model_kind backbone: pipeline.worker.build_backbone) or the benchmark's own loader."""
-    key = (bench.model_kind, json.dumps(spec, sort_keys=True))
-    if key not in _MODELS:
-        if bench.model_kind == "backbone":
-            from nbcore.backbones.loading import build_backbone
-            _MODELS[key] = build_backbone(spec)
-        else:
-            _MODELS[key] = bench.load_model(spec)
-    return _MODELS[key]
+    """The model a benchmark evaluates: an nbcore Backbone (model_kind backbone:
+    nbcore.backbones.loading.build_backbone) or the benchmark's own loader."""
+    if bench.model_kind == "backbone":
+        from nbcore.backbones import loading
+        return loading.build_backbone(spec)
+    return bench.load_model(spec)
 
 
-def run_cell(cell: dict) -> dict:
-    """Evaluate one cell and commit its Parquet file (tmp name, then rename). A failure is returned
-    ({path, error}), not raised: one bad example never stops a sweep."""
-    import torch
-
+def evaluate_cell(cell: dict, model, load_error: str | None = None) -> dict:
+    """Evaluate one cell on a loaded model and commit its Parquet file (tmp name, then rename).
+    -> {path, error, n_tokens}. A failure (or the model's `load_error`) is returned, not raised: one
+    bad example never stops a sweep."""
     from nbcore.evals import build_benchmark
-    torch.set_num_threads(max(1, int(cell.get("threads", 1))))
     t0 = time.perf_counter()
     tokens = "n_tokens"
     try:
+        if load_error is not None:
+            raise RuntimeError(f"the model could not be loaded: {load_error}")
         bench = build_benchmark(cell["benchmark"], cell["options"])
         tokens = bench.tokens_column
         nb = NoteBankConfig(**cell["notebank"]) if cell.get("notebank") is not None else None
-        rows = bench.evaluate(load_model(bench, cell["model"]), cell["item"], cell["methods"], notebank=nb,
-                              block_size=cell.get("block_size", 65536))
+        rows = bench.evaluate(model, cell["item"], cell["methods"], notebank=nb, block_size=cell.get("block_size", 65536))
         err = None
     except Exception as e:  # noqa: BLE001 - a failed example is recorded, the sweep goes on
         rows, err = [], f"{type(e).__name__}: {e}"
@@ -210,6 +208,139 @@ def run_cell(cell: dict) -> dict:
         r.update({**cell.get("labels", {}), "method": renames.get(r["method"], r["method"]),
                   "cell_s": time.perf_counter() - t0})
     return cell_result(cell, rows, err, tokens_key=tokens)
+
+
+def run_cell(cell: dict) -> dict:
+    """One cell in this process, its model loaded for it (a single cell; sweeps use CellRunner)."""
+    import torch
+
+    from nbcore.evals import build_benchmark
+    torch.set_num_threads(max(1, int(cell.get("threads", 1))))
+    try:
+        model, err = load_model(build_benchmark(cell["benchmark"], cell["options"]), cell["model"]), None
+    except Exception as e:  # noqa: BLE001 - recorded as the cell's error
+        model, err = None, f"{type(e).__name__}: {e}"
+    return evaluate_cell(cell, model, err)
+
+
+class CellRunner:
+    """Ray Data actor (map_batches, batch_size=1) that evaluates cells, each committed to its own
+    Parquet file by the actor. It holds one model at a time and loads a cell's model only when it
+    differs from the one it holds (the driver orders the cells by model, so an actor loads each
+    model at most once). A model that fails to load fails each of its cells with that error
+    (recorded, not retried) instead of failing the sweep."""
+
+    def __init__(self, threads: int = 1):
+        import torch
+        torch.set_num_threads(max(1, int(threads)))
+        self.key, self.model, self.error = None, None, None
+        self.loads = 0
+
+    def _use(self, cell: dict) -> None:
+        from nbcore.evals import build_benchmark
+        bench = build_benchmark(cell["benchmark"], cell["options"])
+        key = model_key(bench.model_kind, cell["model"])
+        if key == self.key:
+            return
+        self.key, self.model, self.error = key, None, None      # drop the previous model before loading
+        gc.collect()
+        from notebank.pipeline.allocator import runs_on_cpu, tune_cpu_malloc
+        if runs_on_cpu(cell["model"]):
+            tune_cpu_malloc()          # stable heap reuse for the forward's temporaries (pipeline/allocator.py)
+        self.loads += 1
+        try:
+            self.model = load_model(bench, cell["model"])
+        except Exception as e:  # noqa: BLE001 - reported per cell
+            self.error = f"{type(e).__name__}: {e}"
+
+    def __call__(self, batch: dict) -> dict:
+        out = {"path": [], "error": [], "n_tokens": []}
+        for packed in batch["cell"]:
+            cell = json.loads(packed)
+            try:
+                self._use(cell)
+                res = evaluate_cell(cell, self.model, self.error)
+            except Exception as e:  # noqa: BLE001 - e.g. an unknown benchmark: this cell fails, the sweep goes on
+                res = {"path": cell["path"], "error": f"{type(e).__name__}: {e}", "n_tokens": 0}
+            for k in out:
+                out[k].append(res[k])
+        return out
+
+
+def model_key(model_kind: str, model: dict) -> str:
+    """What one loaded model is: the benchmark's model kind + the model spec (the LongBench job's three
+    benchmarks share one backbone)."""
+    return json.dumps([model_kind, model], sort_keys=True)
+
+
+def model_groups(cells: list[dict]) -> list[list[dict]]:
+    """The cells grouped by the model they load (model_key), groups in order of first appearance,
+    cells in their given order within a group."""
+    from nbcore.evals import get_benchmark
+    groups: dict[str, list[dict]] = {}
+    for c in cells:
+        try:
+            kind = get_benchmark(c["benchmark"]).model_kind
+        except KeyError:
+            kind = None                  # an unknown benchmark: its cells fail on the actor, with the reason
+        groups.setdefault(model_key(kind, c["model"]), []).append(c)
+    return list(groups.values())
+
+
+def actors_that_fit(cpus: float, gpus: float, wanted: int, n_cells: int) -> int:
+    """How many actors to start for `n_cells` cells: `wanted` (0: as many as the live Ray nodes hold
+    at `cpus`/`gpus` each), at most one per cell, at least one."""
+    import ray
+    n = wanted
+    if n <= 0:
+        n = 0
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            r = node.get("Resources", {})
+            fits = [int(r.get(k, 0.0) // v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0]
+            n += min(fits) if fits else 1
+    return max(1, min(n, n_cells))
+
+
+def run_cells(cells: list[dict], cpus: float, gpus: float, *, num_actors: int = 0,
+              accelerator_type: str | None = None, progress: bool = True, desc: str = "cells",
+              unit: str = "cell") -> list[dict]:
+    """Run `cells` on Ray Data (Ray initialised by the caller): one dataset of the cells, ordered by
+    model (model_groups), through one pool of CellRunner actors; each actor loads a model when its
+    first cell of that model arrives, so at most once per model. -> the cells' records ({path, error,
+    n_tokens}) in completion order. Failures are reported on the bar and returned, not raised.
+
+    One pool for every model, not one per model run one after another: a finished pool's actors
+    leave only when Ray's reference counting collects them, and until then they hold the CPUs (or
+    GPUs) the next pool waits for (seen: the second backbone's pool never started on 2 CPUs)."""
+    import ray
+    from tqdm import tqdm
+
+    from notebank.pipeline.dataplane import quiet_ray_data, require_room_for_actor
+    results: list[dict] = []
+    if not cells:
+        return results
+    require_room_for_actor(cpus, gpus, ("the cells' CPUs (num_cpus_per_cell)", "GPUs (num_gpus_per_cell)"))
+    quiet_ray_data(progress)
+    ordered = [c for group in model_groups(cells) for c in group]
+    n = actors_that_fit(cpus, gpus, num_actors, len(ordered))
+    remote = {"accelerator_type": accelerator_type} if accelerator_type else {}
+    ds = ray.data.from_items([{"cell": json.dumps(c)} for c in ordered], override_num_blocks=len(ordered))
+    ds = ds.map_batches(CellRunner, batch_size=1, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=cpus,
+                        num_gpus=gpus or None, fn_constructor_kwargs={"threads": ordered[0].get("threads", 1)},
+                        **remote)
+    bar = tqdm(total=len(ordered), desc=desc, unit=unit, disable=not progress)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pandas"):
+        for rec in batch.to_dict("records"):
+            err = rec["error"] if isinstance(rec["error"], str) and rec["error"] else None   # null: None or NaN
+            rec = {"path": rec["path"], "error": err, "n_tokens": int(rec["n_tokens"] or 0)}
+            results.append(rec)
+            if rec["error"]:
+                bar.write(f"failed {rec['path']}: {rec['error']}")
+            bar.update(1)
+    bar.close()
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +361,8 @@ def run_sweep(cfg: SweepJobConfig) -> dict:
     todo.sort(key=cfg.cell_order)
     cpus, gpus = cfg.resources()
     plural, unit = cfg.units
-    results = run_all(run_cell, todo, cpus, gpus, progress=cfg.progress, desc=plural, unit=unit)
+    results = run_cells(todo, cpus, gpus, num_actors=cfg.num_actors, accelerator_type=cfg.accelerator_type,
+                        progress=cfg.progress, desc=plural, unit=unit)
     failed = [r for r in results if r["error"]]
 
     def report(df):

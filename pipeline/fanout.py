@@ -1,7 +1,7 @@
-"""Resumable cell sweeps on Ray: the mechanics of the evaluation sweep runner (pipeline/evaluate.py).
+"""Resumable cell sweeps: the file mechanics of the evaluation sweep runner (pipeline/evaluate.py).
 
-A sweep is a list of cells (dicts with a `path`); each Ray task evaluates one cell and commits its
-rows as one Parquet file. Files are written to a temporary name and then renamed, so a file that
+A sweep is a list of cells (dicts with a `path`); the actor that evaluates a cell commits its rows
+as one Parquet file. Files are written to a temporary name and then renamed, so a file that
 exists is complete: a rerun skips those cells (`unfinished`) and `collect` never reads half a file.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def commit_parquet(table: pa.Table, url: str) -> None:
 
 
 def cell_result(cell: dict, rows: list[dict], error: str | None, tokens_key: str = "n_tokens") -> dict:
-    """Commit a cell's rows unless it failed. -> the record `run_all` collects: {path, error, n_tokens}."""
+    """Commit a cell's rows unless it failed. -> the record the driver collects: {path, error, n_tokens}."""
     if error is None:
         commit_parquet(pa.Table.from_pylist(rows), cell["path"])
     return {"path": cell["path"], "error": error, "n_tokens": rows[0][tokens_key] if rows else 0}
@@ -38,28 +38,6 @@ def unfinished(output: str, cells: list[dict]) -> list[dict]:
     """The cells whose Parquet file does not exist yet (in plan order)."""
     fs, _ = fsspec.core.url_to_fs(output)
     return [c for c in cells if not fs.exists(fsspec.core.url_to_fs(c["path"])[1])]
-
-
-def run_all(fn: Callable[[dict], dict], items: list[dict], num_cpus: float, num_gpus: float = 0.0,
-            max_retries: int = 2, progress: bool = True, desc: str = "cells", unit: str = "cell") -> list[dict]:
-    """fn(item) as one Ray task per item (Ray initialised by the caller), submitted in list order.
-    -> fn's records ({path, error, ...}) in completion order. Failures are reported on the bar and
-    returned, not raised: one bad cell never stops a sweep."""
-    import ray
-    from tqdm import tqdm
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=max_retries)(fn)
-    pending = [remote.remote(x) for x in items]
-    results = []
-    bar = tqdm(total=len(pending), desc=desc, unit=unit, disable=not progress)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)   # one at a time: the bar moves per cell
-        res = ray.get(done[0])
-        results.append(res)
-        if res["error"]:
-            bar.write(f"failed {res['path']}: {res['error']}")
-        bar.update(1)
-    bar.close()
-    return results
 
 
 def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:

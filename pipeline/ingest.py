@@ -4,7 +4,7 @@
     plan   driver: fixed groups of `docs_per_group` rows per shard; drop committed groups and documents,
            reject bad rows and duplicate ids -- before any model work
     read   .flat_map(read_corpus_groups)                          the planned rows' text (Ray tasks)
-    write  .map_batches(IngestActor, batch_size=1, concurrency=n, num_gpus=g, accelerator_type=...)
+    write  .map_batches(IngestActor, batch_size=1, compute=ActorPoolStrategy(size=n), num_gpus=g, ...)
            one memory backend per actor (NoteBank or MoNe, nbcore.memory); the actor writes states, the
            group's notes part (NoteBank only), documents part and commit record straight to the
            store, and returns one small record per row
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from typing import Callable
 
 from dataclasses import dataclass, field
@@ -115,62 +114,12 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = None,
-               workers: tuple | None = None) -> dict:
+def run_ingest(cfg: IngestJobConfig, on_commit: Callable[[dict], None] | None = None) -> dict:
     """Run one ingest job (Ray must be initialised). Returns the summary dict.
 
     on_commit(record) is called for each row's small record as it arrives (tests, progress hooks).
     Both memories (`memory: notebank | mone`) go through the same driver and actor
-    (pipeline.dataplane.ingest_dataset, pipeline.actors.IngestActor on nbcore.memory's backends).
-    `workers` is accepted for compatibility and unused (Ray Data starts its own actors)."""
+    (pipeline.dataplane.ingest_dataset, pipeline.actors.IngestActor on nbcore.memory's backends)."""
     cfg.validate()
     from notebank.pipeline.dataplane import ingest_dataset
     return ingest_dataset(cfg, on_commit=on_commit)
-
-
-# ------------------------------------------------------------------------------------------------
-# the actor-pool baseline's pieces (bench/baseline_pool_ingest.py)
-
-def open_output(output: str) -> "ArchiveStore":  # noqa: F821
-    """The output's archive store, with temporary files of a killed run removed."""
-    from notebank.pipeline.store import ArchiveStore   # here: the job config is checked before torch loads
-    store = ArchiveStore(output)
-    store.clean_tmp()
-    return store
-
-
-class Tally:
-    """One ingest run's counters (`stats`, in summary order), first 20 failures and progress bar."""
-
-    def __init__(self, stats: dict, progress: bool):
-        self.stats, self.failures, self.bar = stats, [], _progress(progress)
-
-    def failed(self, doc_id, error: str, source) -> None:
-        self.stats["docs_failed"] += 1
-        if len(self.failures) < 20:
-            self.failures.append({"doc_id": doc_id, "error": error, "source": source})
-        self.bar.update(1)
-
-    def skipped(self) -> None:
-        self.stats["docs_skipped"] += 1
-        self.bar.update(1)
-
-    def summary(self, t_start: float, output: str, **extra) -> dict:
-        """The job's summary dict: stats, wall time, throughput, output, `extra`, failures."""
-        wall = time.perf_counter() - t_start
-        return {**self.stats, "wall_s": round(wall, 3),
-                "tokens_per_s": round(self.stats["tokens"] / wall, 1) if wall > 0 else 0.0,
-                "output": output, **extra, "failures": self.failures}
-
-
-class _NoBar:
-    def update(self, n=1): pass
-    def set_postfix(self, **kw): pass
-    def close(self): pass
-
-
-def _progress(enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(unit="doc", desc="ingest", mininterval=1.0, dynamic_ncols=True)

@@ -12,11 +12,6 @@ from nbcore.config import NoteBankConfig, ReadConfig
 from notebank.pipeline.config import (MONE_METHODS, ActorSpec, ConfigError, ModelSpec, RaySpec, require_archive,
                                       require_fields, require_input, require_shards, validate_memory)
 
-
-def rc_json_of(rc) -> str:
-    from notebank.pipeline.worker import rc_json_of as of   # here: the job config is checked before torch loads
-    return of(rc)
-
 @dataclass
 class QueryJobConfig:
     """jobs/query.py"""
@@ -144,23 +139,12 @@ def substring_score(prediction: str, references: list[str]) -> float:
     return round(100.0 * sum(r.lower() in p for r in references) / len(references), 2)
 
 
-def rc_dict(rc) -> dict:
-    d = dataclasses.asdict(rc)
-    d["stop"] = tuple(d.get("stop") or ())
-    return d
-
-
-def run_query(cfg: QueryJobConfig, workers: tuple | None = None) -> dict:
+def run_query(cfg: QueryJobConfig) -> dict:
     """Questions -> answers dataset (pipeline.dataplane.query_dataset, on Ray Data), for both memories
-    (`memory: notebank | mone`); a query with the other memory than the archive holds is refused.
-    `workers` is accepted for compatibility and unused."""
+    (`memory: notebank | mone`); a query with the other memory than the archive holds is refused."""
     cfg.validate()
     from notebank.pipeline.dataplane import query_dataset
     return query_dataset(cfg)
-
-
-def rc_json(rc) -> str:
-    return rc_json_of(rc)
 
 
 def answer_rows_table(rows: list[dict]):
@@ -189,8 +173,3 @@ def write_rejected(out, rejected: list[dict], methods: list[str], provenance: di
     from notebank.schemas._base import table_to_parquet_bytes
     out.atomic_write(f"part-rejected-{key}.parquet", table_to_parquet_bytes(answer_rows_table(rows)))
     return rows
-
-
-def fail_row(q, rc, why):
-    return {"question_id": q["question_id"], "doc_id": q["doc_id"], "method": rc["method"],
-            "read_config": rc_json_of(ReadConfig(**rc)), "status": "failed", "error": why, "answers": q.get("answers")}

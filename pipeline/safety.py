@@ -167,7 +167,7 @@ class Lease:
             rec = dict(self.record, heartbeat_at=_utc(now), heartbeat_unix=now)
             data = json.dumps(rec, indent=1, sort_keys=True).encode()
             if _is_local(self.fs):
-                # `.tmp-` like the store's temporaries, so ArchiveStore.clean_tmp removes an orphan;
+                # `.tmp-` like the store's temporaries, so Archive.clean_tmp removes an orphan;
                 # if clean_tmp removes ours before the rename, write it again.
                 for attempt in range(3):
                     tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:12]}"

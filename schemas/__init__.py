@@ -1,7 +1,7 @@
 """Parquet/Arrow schemas and manifest formats, each defined once, versioned, validated on write and read.
 
-- schemas.notes    notes Parquet (one file per document)
-- schemas.manifest per-document manifest records and the run fingerprint record (JSON)
+- schemas.archive  the archive layout: notes and documents Parquet datasets, group commit records
+- schemas.manifest the run fingerprint record and file references (JSON)
 - schemas.answers  answers Parquet (one row per question and method)
 - schemas.inputs   corpus and question row formats
 - schemas.results  evaluation results: per-example rows (results.parquet) and the summary (results.json)

@@ -25,13 +25,14 @@ highest ``generation``.
 from __future__ import annotations
 
 import json
+import urllib.parse
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
 
 from notebank.schemas._base import SchemaError, check_table, dumps_json, schema_meta, with_meta
-from notebank.schemas.manifest import FileRef  # noqa: F401 (one file-reference type for both layouts)
+from notebank.schemas.manifest import FileRef  # noqa: F401 (part of this layout's API)
 
 LAYOUT_VERSION = 2
 NOTES_NAME, NOTES_VERSION = "notes", 2
@@ -40,6 +41,24 @@ COMMIT_NAME, COMMIT_VERSION = "manifest.commit", 2
 ADDRESS_ENCODING = "bfloat16-bits-as-uint16"
 #: Parquet row groups of the notes dataset: ~1-4 MB for typical J * d_rho (scan-friendly, not tiny).
 NOTES_ROW_GROUP = 4096
+_KEY_SAFE = "-_.=+@,"
+
+
+def doc_key(doc_id: str) -> tuple[str | None, str | None]:
+    """File-name key of a document (the `<key>` of state/<key>.g<gen>...) -> (key, error). Keys never
+    contain a path separator: a doc_id that would escape the output folder gets an error instead."""
+    if not isinstance(doc_id, str) or doc_id == "":
+        return None, "empty doc_id"
+    if "/" in doc_id or "\\" in doc_id or "\x00" in doc_id:
+        return None, f"doc_id {doc_id!r} contains a path separator and would escape the output folder"
+    if doc_id.startswith("."):
+        return None, f"doc_id {doc_id!r} starts with '.' (reserved: '.', '..' and hidden names)"
+    if any(ord(c) < 32 for c in doc_id):
+        return None, f"doc_id {doc_id!r} contains control characters"
+    key = urllib.parse.quote(doc_id, safe=_KEY_SAFE)
+    if len(key.encode()) > 200:
+        return None, f"doc_id is too long for a file name ({len(key.encode())} bytes when quoted, max 200)"
+    return key, None
 
 
 def notes_schema(n_slots: int, addr_dim: int) -> pa.Schema:

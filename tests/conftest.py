@@ -79,26 +79,5 @@ def tiny_nb():
 
 
 # num_cpus=0: test actors never hold CPU resources, so other tests sharing this Ray session (Ray Train
-# workers, sweeps) can always be scheduled while the session-scoped pools below are alive.
+# workers, sweeps) can always be scheduled while a job's actors are alive.
 TEST_ACTORS = {"num_actors": 2, "num_cpus": 0.0, "torch_threads": 1, "start_timeout_s": 120.0}
-
-
-@pytest.fixture(scope="session")
-def pool(ray_session):
-    """Two NoteBankWorker actors holding the tiny model, shared by tests (model loads once)."""
-    from notebank.pipeline.config import ActorSpec, ModelSpec, build
-    from notebank.pipeline.pool import start_workers, stop_workers
-    handles, infos = start_workers(build(ModelSpec, TINY_MODEL), build(ActorSpec, TEST_ACTORS))
-    yield handles, infos
-    stop_workers(handles)
-
-
-@pytest.fixture(scope="session")
-def other_pool(ray_session):
-    """One actor holding the tiny model with other weights (seed 1): fingerprint-mismatch tests."""
-    from notebank.pipeline.config import ActorSpec, ModelSpec, build
-    from notebank.pipeline.pool import start_workers, stop_workers
-    handles, infos = start_workers(build(ModelSpec, {**TINY_MODEL, "seed": 1}),
-                                   build(ActorSpec, {**TEST_ACTORS, "num_actors": 1}))
-    yield handles, infos
-    stop_workers(handles)

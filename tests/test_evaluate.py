@@ -488,3 +488,32 @@ def test_previous_rows_merge_across_string_types_and_refuse_other_mismatches(tmp
     bad = pa.table({"method": pa.array(["x"], pa.string()), "score": pa.array(["2"], pa.string())})
     with pytest.raises(ValueError, match="do not match"):
         _with_previous_rows(bad, url, ["method"])
+
+
+def test_cell_runner_loads_each_model_once_and_writes_each_cell(tmp_path, monkeypatch):
+    """The sweep actor (plain class, no Ray): one load per model for cells ordered by model, one
+    Parquet file per cell; a model that cannot load fails each of its cells with that error, writes
+    nothing and raises nothing."""
+    from nbcore.backbones import loading
+    from nbcore.evals.ruler import Ruler
+    from notebank.pipeline.evaluate import CellRunner, make_cell, model_groups
+    loads = []
+    real = loading.build_backbone
+    monkeypatch.setattr(loading, "build_backbone", lambda spec: loads.append(spec) or real(spec))
+    bench = Ruler(tasks=["niah_single_1"], lengths=[1024], max_new_tokens=2)
+    item = next(iter(bench.examples()))
+    cells = [make_cell(bench, item, str(tmp_path / f"c{i}.parquet"), model=dict(TINY_MODEL), methods=["plain"],
+                       labels={"backbone": "rand"}) for i in range(3)]
+    other = dict(cells[0], model={**TINY_MODEL, "seed": 1}, path=str(tmp_path / "other.parquet"))
+    groups = model_groups([cells[0], other, cells[1], cells[2]])
+    assert [[c["path"] for c in g] for g in groups] == [[c["path"] for c in cells], [other["path"]]]
+    runner = CellRunner(threads=1)
+    out = runner({"cell": [json.dumps(c) for g in groups for c in g]})
+    assert len(loads) == 2 and runner.loads == 2 and out["error"] == [None] * 4 and all(n > 0 for n in out["n_tokens"])
+    assert all((tmp_path / f"c{i}.parquet").exists() for i in range(3)) and (tmp_path / "other.parquet").exists()
+    bad = dict(cells[0], model={**TINY_MODEL, "hf_config": {"model_type": "nope"}}, path=str(tmp_path / "bad.parquet"))
+    unknown = dict(cells[0], benchmark="no-such-benchmark", path=str(tmp_path / "unknown.parquet"))
+    res = runner({"cell": [json.dumps(bad), json.dumps(bad), json.dumps(unknown)]})
+    assert [e.split(":")[0] for e in res["error"]] == ["RuntimeError", "RuntimeError", "KeyError"], res["error"]
+    assert "the model could not be loaded" in res["error"][0] and runner.loads == 3
+    assert not (tmp_path / "bad.parquet").exists() and not (tmp_path / "unknown.parquet").exists()

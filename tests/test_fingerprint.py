@@ -133,3 +133,15 @@ def test_lora_adapter_does_not_change_fingerprint(kind):
     with torch.no_grad():
         p.view(-1)[1] += 1.0
     assert fresh_fp(bb) != fp0, name
+
+
+def test_run_fingerprint_of_existing_archives_is_unchanged():
+    """manifest/_run.json's fingerprint (and the digest every commit record holds) for a fixed input:
+    archives written by earlier versions must still be accepted by a rerun."""
+    from nbcore.config import NoteBankConfig
+    from notebank.pipeline.archive import fingerprint_digest
+    from notebank.pipeline.dataplane import run_fingerprint
+    fp = run_fingerprint("abc", "gdn", 4, NoteBankConfig(chunk_size=128, addr_dim=8), "tokhash")
+    assert fp["schema_versions"] == {"manifest": 1, "notes": 1, "state": 1}
+    assert fingerprint_digest(fp) == "c1ba2fa21f2fae7c7372"
+    assert fingerprint_digest(run_fingerprint("abc", "gdn", 4, NoteBankConfig(), None)) == "7bd9ecf5c7caf96a6580"

@@ -410,7 +410,7 @@ def test_query_model_spec_loads_adapter(tmp_path):
     backbone; routing is unchanged, reading uses it."""
     import torch
     from nbcore.lora import attach_adapter, save_adapter
-    from notebank.pipeline.worker import build_backbone
+    from nbcore.backbones.loading import build_backbone
     from conftest import TINY_MODEL
     bb = build_backbone(dict(TINY_MODEL))
     attach_adapter(bb)

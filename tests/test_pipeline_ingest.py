@@ -259,7 +259,6 @@ def test_ingest_actor_without_ray_on_memory_fs(tmp_path):
     """The actor class itself, in this process, writing real Parquet through fsspec memory://."""
     import fsspec
     from notebank.pipeline.actors import IngestActor
-    from notebank.pipeline.archive_io import run_fingerprint  # noqa: F401 (same fingerprint code path)
     fs = fsspec.filesystem("memory")
     actor = IngestActor(model=TINY_MODEL, nb=TINY_NB, block_size=512, output="memory://ia/out", fp_digest="x",
                         tokenizer_name="byte")

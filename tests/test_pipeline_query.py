@@ -9,11 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TEST_ACTORS, TINY_MODEL, TINY_NB, write_jsonl
-from nbcore import NoteBankConfig, ReadConfig
 from nbcore.testing import needle_text
 from notebank.pipeline.config import DemoConfig, IngestJobConfig, QueryJobConfig, build
 from notebank.pipeline.ingest import run_ingest
-from notebank.pipeline.onepass import run_onepass
 from notebank.pipeline.query import run_query
 from notebank.pipeline.archive import FingerprintMismatch
 from notebank.pipeline.safety import UnsafePath
@@ -168,22 +166,6 @@ def test_query_rerun_after_a_repair_answers_the_failed_questions(ray_session, ar
     assert strip(after) == strip(read_answers(fresh).to_pylist())
 
 
-def test_onepass_sweep(pool):
-    examples = []
-    for i in range(2):
-        text, needles = needle_text(1500, 1, seed=20 + i)
-        examples.append({"doc_id": f"ex{i}", "text": text, "questions": [
-            {"question_id": f"ex{i}-q", "question": f"What is the special magic number for {needles[0][0]}?",
-             "answers": needles[0][1]}]})
-    nbs = [NoteBankConfig(**TINY_NB), NoteBankConfig(**{**TINY_NB, "chunk_size": 256})]
-    rcs = [ReadConfig(method=m, max_new_tokens=4) for m in ("plain", "jrt", "notebank")] + \
-          [ReadConfig(method="notebank", top_r=1, router=r, max_new_tokens=4) for r in ("random", "embmax_centered")]
-    rows = run_onepass(examples, TINY_MODEL, nbs, rcs, workers=pool)
-    assert len(rows) == 2 * 2 * 5 and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
-    assert all(r["n_tokens"] > 1000 and r["score"] is not None for r in rows)
-    assert {json.loads(r["notebank"])["chunk_size"] for r in rows} == {128, 256}
-
-
 def test_demo_job_end_to_end(ray_session, tmp_path):
     import sys
     from conftest import REPO
@@ -238,3 +220,19 @@ def test_onepass_job_matches_archive_answers_and_persists_nothing(ray_session, a
     assert not list((tmp_path / "onepass").rglob("*.safetensors"))
     with pytest.raises(Exception, match="exactly one of archive"):
         qcfg(archive / "questions.jsonl", archive / "archive", tmp_path / "x", corpus=str(archive / "corpus.jsonl"))
+
+
+def test_document_reads_put_each_document_in_one_read():
+    """The query's read plan: a document's questions all arrive in one row (no shuffle), also when
+    they span shards."""
+    from notebank.pipeline.dataplane import document_reads
+    keep = {"a": {"0": ["plain"], "1": ["plain"], "2": ["notebank"]}, "b": {"0": ["plain"], "1": ["plain"]}}
+    row_doc = {("a", "0"): "d1", ("a", "1"): "d2", ("a", "2"): "d1", ("b", "0"): "d3", ("b", "1"): "d2"}
+    reads = document_reads(keep, row_doc)
+    assert reads == [{"a": {"0": ["plain"], "2": ["notebank"]}}, {"b": {"0": ["plain"]}},
+                     {"a": {"1": ["plain"]}, "b": {"1": ["plain"]}}]
+    owner = {}
+    for i, r in enumerate(reads):
+        for shard, rows in r.items():
+            for row in rows:
+                assert owner.setdefault(row_doc[(shard, row)], i) == i

@@ -29,7 +29,6 @@ import pytest
 
 from conftest import REPO, TINY_MODEL, TINY_NB, write_jsonl
 from nbcore.testing import needle_text
-from notebank.pipeline.store import ArchiveStore
 
 pytestmark = pytest.mark.slow
 

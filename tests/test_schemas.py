@@ -77,23 +77,14 @@ def test_truncated_parquet_names_the_file():
         parquet_bytes_to_table(data[: len(data) // 2], "memory://x/notes/d.parquet")
 
 
-def test_manifest_record_roundtrip_and_validation():
-    ref = manifest.FileRef(path="notes/a.parquet", size=10, sha256="0" * 64)
-    rec = manifest.DocRecord(doc_id="a", key="a", status="ok", n_tokens=5, n_notes=1, notes=ref, state=ref,
-                             fingerprint={"model": "m"}, metadata={"lang": "en"})
-    back = manifest.DocRecord.from_bytes(rec.to_bytes(), "r.json")
-    assert back == rec
-    d = json.loads(rec.to_bytes())
-    assert d["schema"] == "manifest.doc" and d["schema_version"] == manifest.VERSION
-    with pytest.raises(SchemaError, match="error"):
-        manifest.DocRecord(doc_id="a", key="a", status="failed").to_bytes()
-    with pytest.raises(SchemaError, match="status"):
-        manifest.DocRecord(doc_id="a", key="a", status="maybe", error="x").to_bytes()
+def test_run_record_roundtrip_and_fingerprint_diff():
+    fp = {"model": "m", "notebank": {"chunk_size": 64}}
+    d = manifest.parse_run_record(manifest.run_record(fp, "2026-01-01T00:00:00+00:00"), "r.json")
+    assert d["fingerprint"] == fp and d["schema"] == "manifest.run" and d["schema_version"] == manifest.VERSION
     with pytest.raises(SchemaError, match="r.json.*not valid JSON"):
-        manifest.DocRecord.from_bytes(rec.to_bytes()[:20], "r.json")
-    d["surprise"] = 1
-    with pytest.raises(SchemaError, match="unknown manifest fields"):
-        manifest.DocRecord.from_bytes(json.dumps(d).encode(), "r.json")
+        manifest.parse_run_record(manifest.run_record(fp, "t")[:20], "r.json")
+    with pytest.raises(SchemaError, match="not a manifest.run v1 record"):
+        manifest.parse_run_record(json.dumps({"schema": "manifest.doc"}).encode(), "r.json")
     assert manifest.fingerprint_diff({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}}) == ["b.c: 2 -> 3"]
 
 

@@ -13,7 +13,8 @@ from nbcore.notebank.write import ArchiveWriter, TIE_GRID
 from nbcore.notebank.write_device import DeviceArchiveWriter, device_addresses, device_best_windows
 from nbcore.reader import DEFAULT_WRITER, writer_class
 from nbcore.testing import sentence_text, byte_tokenizer, needle_text, tiny_gdn_config, tiny_mamba2_config
-from notebank.pipeline.archive_io import archive_to_notes_bytes
+from notebank.schemas import archive as S
+from notebank.schemas._base import table_to_parquet_bytes
 
 FAMILIES = {"gdn": lambda: tiny_gdn_config(), "gdn-hybrid": lambda: tiny_gdn_config(hybrid=True),
             "mamba2": lambda: tiny_mamba2_config()}
@@ -53,7 +54,17 @@ def assert_same_archive(a, b, n_channels, nonempty=True):
     assert a.addresses.contiguous().view(torch.uint16).numpy().tobytes() == \
         b.addresses.contiguous().view(torch.uint16).numpy().tobytes()
     assert (a.n_tokens, a.config, a.model_fingerprint) == (b.n_tokens, b.config, b.model_fingerprint)
-    assert archive_to_notes_bytes("doc", a, n_channels) == archive_to_notes_bytes("doc", b, n_channels)
+    assert notes_parquet_bytes("doc", a, n_channels) == notes_parquet_bytes("doc", b, n_channels)
+
+
+def notes_parquet_bytes(doc_id: str, a, n_channels: int) -> bytes:
+    """The archive's notes as the pipeline stores them (schemas.archive notes table, Parquet bytes)."""
+    slots = n_channels * a.config.addr_positions
+    bits = a.addresses.detach().cpu().contiguous().view(torch.uint16).numpy().reshape(len(a), -1)
+    rows = [{"doc_id": doc_id, "generation": 0, "note_index": i, "chunk_index": int(a.chunk_index[i]),
+             "start": int(a.starts[i]), "end": int(a.ends[i]), "token_ids": a.token_ids[i], "text": None,
+             "addresses": bits[i]} for i in range(len(a))]
+    return table_to_parquet_bytes(S.notes_table(rows, slots, a.config.addr_dim))
 
 
 def assert_same_carry(a: WriterCarry, b: WriterCarry):

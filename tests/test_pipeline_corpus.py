@@ -1,4 +1,4 @@
-"""Archive folder: keys, atomic commit, manifest records, fingerprint refusal, corrupted files; corpus reading."""
+"""Document keys (file names in the archive) and corpus / question shard reading."""
 from __future__ import annotations
 
 import gzip
@@ -10,8 +10,7 @@ import pytest
 
 from conftest import write_jsonl
 from notebank.pipeline.corpus import iter_corpus, list_shards, read_questions
-from notebank.pipeline.store import ArchiveError, ArchiveStore, FingerprintMismatch, doc_key
-from notebank.schemas.manifest import DocRecord
+from notebank.schemas.archive import doc_key
 
 
 def test_doc_key_rejects_escapes_and_quotes_the_rest():
@@ -21,35 +20,6 @@ def test_doc_key_rejects_escapes_and_quotes_the_rest():
         key, err = doc_key(bad)
         assert key is None and err, bad
     assert "escape the output folder" in doc_key("../x")[1]
-
-
-@pytest.mark.parametrize("root", ["memory://store-test/out", "LOCAL"])
-def test_commit_read_verify_and_refuse(root, tmp_path):
-    if root == "LOCAL":
-        root = str(tmp_path / "out")
-    s = ArchiveStore(root)
-    fp = {"model": "m1", "notebank": {"chunk_size": 64}}
-    s.check_or_write_run(fp)
-    s.check_or_write_run(fp)  # same fingerprint: fine
-    with pytest.raises(FingerprintMismatch, match=r"refusing to write.*model: 'm1' -> 'm2'"):
-        s.check_or_write_run({**fp, "model": "m2"})
-    rec = s.commit("k1", b"NOTES", b"STATE", DocRecord(doc_id="d1", key="k1", status="ok", n_tokens=3))
-    assert rec.bytes == 10 and rec.committed_at
-    assert s.load_records()["k1"].status == "ok"
-    p = s.document_payload("k1")
-    assert p["notes"] == b"NOTES" and p["state"] == b"STATE"
-    # a failed record without key goes to rejected/, never clobbering a document record
-    s.record_failure(DocRecord(doc_id="../x", key=None, status="failed", error="unsafe", source={"shard": "s", "row": 1}))
-    assert s.count_rejected() == 1 and set(s.load_records()) == {"k1"}
-    # leftovers of a killed writer are cleaned
-    s.fs.pipe_file(s.path("notes/k2.parquet.tmp-abc"), b"partial")
-    assert s.clean_tmp() == 1
-    # truncation is detected and names the file
-    s.fs.pipe_file(s.path("state/k1.safetensors"), b"STA")
-    with pytest.raises(ArchiveError, match=r"state/k1\.safetensors: contents do not match the manifest"):
-        s.document_payload("k1")
-    with pytest.raises(ArchiveError, match="not archived"):
-        s.document_payload("nope")
 
 
 def test_corpus_shards_jsonl_parquet_and_bad_rows(tmp_path):
