@@ -4,8 +4,6 @@ once, every configured method per question. Output: answers dataset (schemas.ans
 from __future__ import annotations
 
 import dataclasses
-
-from nbcore.config import ReadConfig
 from dataclasses import dataclass, field
 
 from nbcore.config import NoteBankConfig, ReadConfig

@@ -46,7 +46,7 @@ sys.path.insert(0, sys.argv[1])
 import ray, ray.data
 from notebank.pipeline.config import build
 from notebank.pipeline.ingest import IngestJobConfig, run_ingest
-from notebank.pipeline.pool import init_ray
+from notebank.pipeline.cli import init_ray
 cfg = build(IngestJobConfig, json.loads(sys.argv[2])).validate()
 init_ray(cfg.ray)
 # Start ingesting only when every actor of the pool is up: on a busy machine one actor can take a
