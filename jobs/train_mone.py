@@ -1,9 +1,9 @@
-"""CLI: meta-train MoNe on a frozen Qwen2-family base (optionally under Ray Train), and evaluate.
+"""CLI: meta-train MoNe on a frozen Qwen2-family base (optionally under Ray Train), with its diagnostics.
 
     python jobs/train_mone.py -c configs/train_mone.yaml                              # plain loop (resumable)
     python jobs/train_mone.py -c configs/train_mone.yaml --set action=ray             # Ray Train TorchTrainer
-    python jobs/train_mone.py -c configs/train_mone.yaml --set action=eval            # mone / icl / rag results
-    python jobs/train_mone.py -c configs/train_mone.yaml --set action=eval --set eval.n=5 --set eval.lengths=[1024]
+    python jobs/train_mone.py -c configs/train_mone.yaml --set action=diagnostics     # answer CE with / without memory
+    python jobs/evaluate.py -c configs/eval_mone.yaml                                 # mone / icl / rag results (the sweep)
 
 Runner: pipeline/train_mone.py. Prints the action's result as JSON. Exit status 0, or 2 on a config error.
 """

@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # glibc malloc without mmap/trim thresholds: RSS then follows live memory (the cost scan measures it)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 _MALLOC = MALLOC_ENV
-ACTIONS = ("train", "ray", "eval", "diagnostics", "cost", "export")
+ACTIONS = ("train", "ray", "diagnostics", "cost", "export")
 
 
 @dataclass
 class MoneEvalSpec:
-    """What `action: eval | diagnostics | cost` measures."""
+    """What `action: diagnostics | cost` measures (results: jobs/evaluate.py -c configs/eval_mone.yaml)."""
 
     out_dir: str = "bench/results/mone/tiny-qwen2"         # results folder (summary.json, details_*.json, cost.json)
     tasks: list[str] = field(default_factory=lambda: ["s_niah", "mk_niah", "fwe"])   # RULER task aliases
@@ -41,7 +41,7 @@ class MoneEvalSpec:
 class TrainMoneJobConfig:
     """jobs/train_mone.py"""
 
-    action: str = "train"                        # train (plain loop) | ray (Ray Train, 1 worker) | eval |
+    action: str = "train"                        # train (plain loop) | ray (Ray Train, 1 worker) |
                                                  # diagnostics | cost | export (the latest checkpoint's
                                                  # adapters, history, curve and memory diagnostics -> out)
     base: str = "models/tiny-qwen2"              # frozen base (HF checkpoint dir with tokenizer, a .gguf file
@@ -53,6 +53,10 @@ class TrainMoneJobConfig:
     diagnostics_out: str = "bench/results/mone/diagnostics.json"   # memory diagnostics of the exported adapters
 
     def validate(self):
+        if self.action == "eval":     # one evaluation path: the sweep runner on Ray Data actors
+            raise ConfigError("action: eval is gone; MoNe / ICL / RAG results come from the sweep job: "
+                              "python jobs/evaluate.py -c configs/eval_mone.yaml (configs/eval_mone_smollm2.yaml "
+                              "for SmolLM2)")
         if self.action not in ACTIONS:
             raise ConfigError(f"action must be one of {list(ACTIONS)}, got {self.action!r}")
         if self.train.min_segments < 1 or self.train.max_segments < self.train.min_segments:
@@ -84,7 +88,7 @@ class TrainMoneJobConfig:
                 raise ConfigError(f"base: {e}") from e
         elif not (base / "config.json").is_file():
             raise ConfigError(f"base: no checkpoint (config.json) at {self.base!r}")
-        needs_mone = self.action in ("diagnostics", "cost") or (self.action == "eval" and "mone" in self.eval.methods)
+        needs_mone = self.action in ("diagnostics", "cost")
         if self.train.init_adapters and not (_abs(self.train.init_adapters) / "mone_adapters.safetensors").is_file():
             raise ConfigError(f"train.init_adapters: no mone_adapters.safetensors in {self.train.init_adapters!r}")
         if self.action == "export" and not (_abs(self.run_dir) / "ckpt.pt").is_file():
@@ -96,7 +100,7 @@ class TrainMoneJobConfig:
 def run(cfg: TrainMoneJobConfig):
     """Run the configured action; returns its JSON-able result."""
     d = to_dict(cfg)
-    return {"train": train_plain, "ray": lambda c: str(train_ray(c)), "eval": run_eval,
+    return {"train": train_plain, "ray": lambda c: str(train_ray(c)),
             "diagnostics": lambda c: run_diagnostics(c, cfg.eval.diagnostics_n), "cost": run_cost,
             "export": export_checkpoint}[cfg.action](d)
 
@@ -225,63 +229,6 @@ def train_ray(cfg: dict):
                                      resources_per_worker={"CPU": cfg["train"]["threads"]}),
         run_config=RunConfig(name="train_mone", storage_path=str(_abs(cfg["run_dir"]) / "ray")))
     return trainer.fit()
-
-
-def run_eval(cfg: dict) -> dict:
-    import torch
-    from nbcore.mone.model import MoNeModel
-    from nbcore.tasks.tokenizer import load_tokenizer
-    from nbcore.training import mone as tm
-    ev = cfg["eval"]
-    torch.set_num_threads(cfg["train"]["threads"])
-    out_dir = _abs(ev["out_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(_abs(cfg["base"]))
-    adapters = _abs(cfg["out"]) if "mone" in ev["methods"] else None  # icl/rag: base only
-    model = MoNeModel.from_pretrained(_abs(cfg["base"]), adapters)
-    model.eval()
-    # one details file per method, so methods can be evaluated by separate processes
-    details = {}
-    for m in ev["methods"]:
-        p = out_dir / f"details_{m}.json"
-        if p.exists():
-            details.update(json.loads(p.read_text()))
-    log = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
-    ks = ev["rag_k"] if isinstance(ev["rag_k"], list) else [ev["rag_k"]]
-    for length in ev["lengths"]:
-        for task in ev["tasks"]:
-            for method in ev["methods"]:
-                variants = [(f"rag_k{k}", k) for k in ks] if method == "rag" else [(method, 0)]
-                for name, k in variants:
-                    key = f"{name}/{task}/{length}"
-                    if key in details and details[key]["n"] >= ev["n"]:
-                        continue  # resumable
-                    details[key] = tm.evaluate(model, tok, task, length, ev["n"], method,
-                                               seed=ev["seed"], rag_k=k or 4, log=log)
-                    mine = {kk: v for kk, v in details.items()
-                            if kk.split("/")[0] == method or (method == "rag" and kk.startswith("rag_k"))}
-                    (out_dir / f"details_{method}.json").write_text(json.dumps(mine, indent=1))
-    details = {}
-    for p in sorted(out_dir.glob("details_*.json")):
-        details.update(json.loads(p.read_text()))
-    summary = {}
-    for key, r in details.items():
-        name, task, length = key.split("/")
-        method = "rag" if name.startswith("rag_k") else name
-        k = f"{method}/{task}/{length}"
-        summary[k] = max(summary.get(k, -1.0), r["score"])  # rag: best K, as in the paper
-    (out_dir / "summary.json").write_text(json.dumps(dict(sorted(summary.items())), indent=1))
-    # cost per example (first example of each cell, measured with FlopCounterMode and a 2 ms RSS
-    # sampler): test-time-learning (write) and query FLOPs, peak RSS of each phase
-    cost = {}
-    for key, r in sorted(details.items()):
-        c = r.get("cost_first_example") or {}
-        cost[key] = {k: c[k] for k in ("write_flops", "query_flops", "write_peak_rss", "write_rss_delta",
-                                      "query_peak_rss", "query_rss_delta", "context_tokens",
-                                      "query_tokens", "prompt_tokens", "memory_tokens_per_layer")
-                     if k in c}
-    (out_dir / "cost.json").write_text(json.dumps(cost, indent=1))
-    return summary
 
 
 def run_diagnostics(cfg: dict, n: int = 10) -> dict:

@@ -97,8 +97,10 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     assert all(f"{k} = " in p.stdout for k, *_ in config_keys(TrainMoneJobConfig))
     p, _ = _run("jobs/train_mone.py", "--set", "action=evl")
     assert p.returncode == 2 and "action must be one of" in p.stderr
-    p, _ = _run("jobs/train_mone.py", "--set", "action=eval", "--set", f"out={tmp_path / 'none'}")
+    p, _ = _run("jobs/train_mone.py", "--set", "action=diagnostics", "--set", f"out={tmp_path / 'none'}")
     assert p.returncode == 2 and "no MoNe parameters" in p.stderr
+    p, _ = _run("jobs/train_mone.py", "--set", "action=eval")      # the serial eval loop is gone: the sweep job
+    assert p.returncode == 2 and "jobs/evaluate.py -c configs/eval_mone.yaml" in p.stderr
     args = ["jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=2",
             "--set", f"out={tmp_path / 'mone'}", "--set", f"run_dir={tmp_path / 'run'}",
             "--set", "train.batch_size=1", "--set", "train.max_segments=2"]

@@ -10,7 +10,8 @@ AdamW, linear warmup, cosine decay to ``min_lr_frac``, clip 1.0; checkpoint/resu
 ``run_dir/ckpt.pt``. Pure torch + transformers (``jobs/train_mone.py`` adds the optional Ray Train
 wrapper).
 
-Evaluation (``evaluate``): methods ``mone`` (ingest context -> state -> query), ``icl`` (full context
+Per example (``run_example``, used by the cost scan; results come from the sweep runner,
+``jobs/evaluate.py -c configs/eval_mone.yaml``): methods ``mone`` (ingest context -> state -> query), ``icl`` (full context
 in the prompt of the frozen base) and ``rag`` (128-token chunks, BM25 top-K via ``bm25s``, chunks
 kept in document order, then the question), greedy decoding, RULER ``string_match_all`` 0-100.
 """
@@ -538,26 +539,6 @@ def run_example(model: MoNeModel, tok, ex: dict, method: str, rag_k: int = 4, me
         raise ValueError(method)
     pred = tok.decode(out)
     return {"pred": pred, "score": ruler.score(task, pred, ex["answers"]), **cost}
-
-
-def evaluate(model: MoNeModel, tok, task: str, length: int, n: int, method: str, seed: int = 0,
-             rag_k: int = 4, log=None) -> dict:
-    task = TASK_ALIASES.get(task, task)
-    scores, first_cost = [], None
-    t = time.time()
-    for i in range(n):
-        ex = ruler.generate(task, length, i, tok, seed=seed, split="test")
-        r = run_example(model, tok, ex, method, rag_k=rag_k, measure=(i == 0))
-        if i == 0:
-            first_cost = {k: v for k, v in r.items() if k not in ("pred", "score")}
-            first_cost["example_pred"] = r["pred"]
-            first_cost["example_answers"] = ex["answers"]
-        scores.append(r["score"])
-    out = {"score": round(sum(scores) / len(scores), 2), "n": n, "seconds": round(time.time() - t, 1),
-           "cost_first_example": first_cost}
-    if log:
-        log(json.dumps({"method": method, "task": task, "length": length, **{k: out[k] for k in ("score", "n", "seconds")}}))
-    return out
 
 
 @torch.no_grad()
