@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import re
 import sys
@@ -79,6 +80,9 @@ def init_ray(spec=None) -> bool:
     kwargs = {"namespace": spec.namespace, "log_to_driver": True}
     if address == "local":
         kwargs.update(include_dashboard=False, num_cpus=spec.num_cpus)
+        # A new local Ray turns token authentication on by itself (kept) and says so in a WARNING line
+        # on every run: that notice only.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(address=address, **kwargs)
     return True
 

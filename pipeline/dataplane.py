@@ -72,6 +72,8 @@ def quiet_ray_data(progress: bool) -> None:
     ctx.verbose_stats_logs = False
     for name in ("ray.data", "ray.data._internal.execution.streaming_executor"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # its one notice that the bars we turned off just above are off
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
 def require_room_for_actor(num_cpus: float, num_gpus: float,
