@@ -71,6 +71,12 @@ class TrainMoneJobConfig:
             raise ConfigError("train.diag_lengths and train.diag_n: one count (>= 2) per length")
         if self.train.rate_lr_mult <= 0:
             raise ConfigError("train.rate_lr_mult must be > 0")
+        t = self.train
+        if not (t.lr > 0 and 0 <= t.min_lr_frac <= 1 and t.warmup_steps >= 0 and t.weight_decay >= 0 and t.clip > 0
+                and t.minutes > 0 and t.ckpt_every_s > 0 and t.log_every >= 1 and t.diag_every >= 0):
+            raise ConfigError(f"train: need lr > 0 (got {t.lr}), 0 <= min_lr_frac <= 1 (got {t.min_lr_frac}), "
+                              f"warmup_steps >= 0, weight_decay >= 0, clip > 0, minutes > 0, ckpt_every_s > 0, "
+                              f"log_every >= 1, diag_every >= 0")
         bad = [m for m in self.eval.methods if m not in ("mone", "icl", "rag")]
         if bad:
             raise ConfigError(f"eval.methods: unknown {bad}; use mone, icl, rag")

@@ -97,6 +97,8 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     assert all(f"{k} = " in p.stdout for k, *_ in config_keys(TrainMoneJobConfig))
     p, _ = _run("jobs/train_mone.py", "--set", "action=evl")
     assert p.returncode == 2 and "action must be one of" in p.stderr
+    p, _ = _run("jobs/train_mone.py", "--set", "train.lr=-1")      # refused before a model loads
+    assert p.returncode == 2 and "need lr > 0 (got -1" in p.stderr and "Traceback" not in p.stderr
     p, _ = _run("jobs/train_mone.py", "--set", "action=diagnostics", "--set", f"out={tmp_path / 'none'}")
     assert p.returncode == 2 and "no MoNe parameters" in p.stderr
     p, _ = _run("jobs/train_mone.py", "--set", "action=eval")      # the serial eval loop is gone: the sweep job
