@@ -251,8 +251,8 @@ def test_shipped_heldout_prose_and_licence():
     assert text.isascii() and "  " not in text and len(docprose.docs_words()) > 40_000
     lic = (docprose.DOCS_PROSE_FILE.parent / "DOCS-PROSE-LICENSE").read_text()
     assert "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2" in lic and docprose.DOCS_PROSE_SHA256 in lic
-    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nbcore.tasks"]
-    assert "data/*.gz" in data and "data/DOCS-PROSE-LICENSE" in data
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nbcore.tasks.data"]
+    assert "*.gz" in data and "DOCS-PROSE-LICENSE" in data
 
 
 def test_damaged_heldout_prose_is_a_clear_error(tmp_path):
