@@ -60,7 +60,8 @@ def assert_same_archive(a, b, n_channels, nonempty=True):
 def notes_parquet_bytes(doc_id: str, a, n_channels: int) -> bytes:
     """The archive's notes as the pipeline stores them (schemas.archive notes table, Parquet bytes)."""
     slots = n_channels * a.config.addr_positions
-    bits = a.addresses.detach().cpu().contiguous().view(torch.uint16).numpy().reshape(len(a), -1)
+    addr = a.addresses.detach().cpu().contiguous()
+    bits = addr.view(torch.uint16).numpy().reshape(addr.shape[0], int(np.prod(addr.shape[1:])))  # 0 notes too
     rows = [{"doc_id": doc_id, "generation": 0, "note_index": i, "chunk_index": int(a.chunk_index[i]),
              "start": int(a.starts[i]), "end": int(a.ends[i]), "token_ids": a.token_ids[i], "text": None,
              "addresses": bits[i]} for i in range(len(a))]
