@@ -45,7 +45,7 @@ def inject(monkeypatch, when, err):
 def run_main(job: str, args: list[str], capsys):
     import importlib
     mod = importlib.import_module(f"jobs.{job}")
-    rc = mod.main(args)
+    rc = mod.main([*args, "--json"])      # the summary as one JSON line (a table otherwise)
     cap = capsys.readouterr()
     summary = json.loads(cap.out.strip().splitlines()[-1])
     errors = [l for l in cap.err.splitlines() if l.startswith("error:")]
@@ -164,7 +164,7 @@ def test_disk_full_in_the_ingest_actors_is_one_line_and_exit_1(tmp_path):
     import tempfile
     ray_tmp = tempfile.mkdtemp(prefix="nbsf-", dir="/tmp")      # short: Ray's socket paths must fit 107 bytes
     env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{REPO}", NB_TEST_ENOSPC="/state/d1.", RAY_TMPDIR=ray_tmp)
-    p = subprocess.run([sys.executable, "jobs/ingest.py", *args], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "jobs/ingest.py", *args, "--json"], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=env)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
     assert p.returncode == 1, p.stderr[-3000:]
@@ -172,7 +172,7 @@ def test_disk_full_in_the_ingest_actors_is_one_line_and_exit_1(tmp_path):
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["status"] == "failed" and s["committed_docs"] == s["committed_groups"] <= 1, s
     del env["NB_TEST_ENOSPC"]
-    p = subprocess.run([sys.executable, "jobs/ingest.py", *args], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "jobs/ingest.py", *args, "--json"], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     s2 = json.loads(p.stdout.strip().splitlines()[-1])
