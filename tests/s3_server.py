@@ -118,6 +118,14 @@ class CountingApp:
         return self.app(environ, start_response)
 
 
+def _forget_s3_filesystems() -> None:
+    """fsspec caches S3FileSystem instances by their arguments, not by the AWS_* environment they read
+    the endpoint from: after the environment points at another server, a cached instance would still
+    talk to the old one (a second server in the same process, e.g. bench/s3_bytes.py inside the suite)."""
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 class S3Server:
     def __init__(self, sock: socket.socket | None = None, bucket: str = BUCKET):
         self.sock = sock or listening_socket()
@@ -141,6 +149,7 @@ class S3Server:
             for k, v in aws_env(self.port).items():
                 self._saved_env[k] = os.environ.get(k)
                 os.environ[k] = v
+            _forget_s3_filesystems()
         self.client().create_bucket(Bucket=self.bucket)
         self.reset()
         return self
@@ -155,6 +164,8 @@ class S3Server:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if self._saved_env:
+            _forget_s3_filesystems()
         self._saved_env = {}
 
     def __enter__(self):

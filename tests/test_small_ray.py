@@ -21,7 +21,7 @@ ONE_CPU = ["--set", "ray.num_cpus=1", "--set", "progress=false"]
 
 def run_job(*args, timeout=LIMIT_S):
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, *args, "--json"], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return p, time.perf_counter() - t0
 
 
