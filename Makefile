@@ -10,12 +10,16 @@ PYTEST_ARGS ?=
 # No system package is needed: RULER's essay haystack prose ships in nbcore/tasks/data/.
 
 venv: $(VENV)/.installed
+# Quiet: one line, then pip's own errors only. PYTHONWARNINGS=ignore on the project's install: setuptools
+# prints an "Editable installation" notice as a warning on every editable install, whatever the mode
+# (a failing build still fails the import check on the last line).
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/pip install -q "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/pip install -q -e ".[test,eval]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import torch, transformers, ray, pyarrow, peft, nbcore" && touch $@
+	@echo "make venv: creating $(VENV) (CPU torch wheel, the project, its test extras; 1-2 min on first use)"
+	@python3 -m venv $(VENV)
+	@$(VENV)/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	@$(VENV)/bin/pip install -q "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
+	@PYTHONWARNINGS=ignore $(VENV)/bin/pip install -q -e ".[test,eval]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torch, transformers, ray, pyarrow, peft, nbcore" && touch $@
 
 run: venv
 	$(PY) jobs/run_demo.py
