@@ -36,7 +36,6 @@ import struct
 import uuid
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -513,11 +512,3 @@ def _parquet_bytes(table: pa.Table, opts: dict) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, **opts)
     return buf.getvalue()
-
-
-def bf16_bits(addresses: torch.Tensor) -> np.ndarray:
-    """[N, slots, d] bfloat16 -> uint16 bits [N, slots * d]."""
-    a = addresses.detach().cpu().contiguous()
-    if a.dtype != torch.bfloat16:
-        raise SchemaError(f"addresses must be bfloat16, got {a.dtype}")
-    return a.view(torch.uint16).numpy().reshape(a.shape[0], -1)
