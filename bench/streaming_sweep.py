@@ -9,6 +9,9 @@ during startup"). The model is loaded once. Reports come from bench/streaming_su
     nice -n 15 python bench/streaming_sweep.py -c configs/eval_streaming_smollm2.yaml \
         --set 'only_lengths=[16K]' --set 'tasks=[niah_single_2,phrased_niah_heldout]' \
         --set 'only_backbones=[smollm2-135m]'
+
+Two of these on disjoint cells (e.g. one per length) share a 2-core machine best with one torch
+thread each: `--set num_cpus_per_cell=1` (cells are separate files, so they never collide).
 """
 from __future__ import annotations
 
