@@ -9,7 +9,7 @@ replace results.parquet's rows of the same measurement), and writes beside it
     summary.md     the table (methods x task/length cells, mean [CI] n)
     headline.png   niah_single_2 and phrased_heldout: plain vs the NoteBank methods, per length
 
-    python bench/streaming_summary.py [--ruler bench/results/streaming-smollm2/ruler]
+    python bench/streaming_summary.py [--ruler bench/results/streaming-smollm2/ruler] [--save-rows PARQUET]
 """
 from __future__ import annotations
 
@@ -140,10 +140,17 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ruler", default=str(OUT / "ruler"), help="the sweep's output folder")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--save-rows", default=None, metavar="PARQUET",
+                    help="also write the merged rows here (e.g. bench/results/streaming-smollm2/ruler/results.parquet "
+                         "after a sweep run with another output folder)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     df = read_rows(Path(a.ruler))
+    if a.save_rows:
+        Path(a.save_rows).parent.mkdir(parents=True, exist_ok=True)
+        df.sort_values(["backbone", "task", "length", "index", "method"]).reset_index(drop=True).to_parquet(
+            a.save_rows, index=False)
     summary = summarize(df) if len(df) else {}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     md = ["# NoteBank on SmolLM2-135M-Instruct (streaming: 4 sinks + 1,024-token window)", "",
