@@ -12,7 +12,7 @@ gold value.
     python lab/probes/streaming_chunk_size.py collect --n 7            # reads, saves features (~25 s per 4K example)
     python lab/probes/streaming_chunk_size.py simulate                 # -> bench/results/streaming-smollm2/writer_coverage.json
 
-Features go to --keys-dir (default /tmp/nb-streaming-keys, ~50 MB per 4K example; never committed).
+Features go to --keys-dir (default /tmp/nb-streaming-keys, ~95 MB per 4K example; never committed).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def collect(a) -> None:
                 continue
             ex = ruler.generate(task, a.length, i, bb.tokenizer)
             ids, _ = encode_context(bb, ex["context"])         # what ingest reads
-            tap = RawTap(bb.n_layers if hasattr(bb, "n_layers") else len(bb.model.model.layers))
+            tap = RawTap(len(bb.rec_layers))
             bb.forward(bb.new_state(), torch.from_numpy(ids), tap=tap, need_logits=False)
             q, k = tap.result()                                # [T, J, d] each
             torch.save({"task": task, "length": a.length, "index": i, "q": q.half(), "k": k.half()}, path)
@@ -70,9 +70,9 @@ def collect(a) -> None:
 
 def simulate(a) -> dict:
     from nbcore.config import NoteBankConfig
-    from nbcore.notebank.features import chunk_distinctiveness, compact, projection_coords
+    from nbcore.notebank.features import chunk_distinctiveness, compact
     from nbcore.notebank.write import ArchiveWriter
-    from nbcore.reader import encode_context
+    from nbcore.reader import coords_for, encode_context
     from nbcore.tasks import ruler
     bb = _backbone()
     tok = bb.tokenizer
@@ -87,7 +87,7 @@ def simulate(a) -> dict:
         T = len(ids)
         for name, kw in VARIANTS.items():
             cfg = NoteBankConfig(**kw).validate()
-            coords = projection_coords(bb.n_channels, bb.key_dim, cfg.addr_dim, cfg.seed)
+            coords = coords_for(bb, cfg)                      # the P that ingest uses
             w = ArchiveWriter(cfg, ids, sent, bb.n_channels, bb.fingerprint())
             w.feed(chunk_distinctiveness(k, cfg.chunk_size), compact(q, coords))
             ar = w.finish(T)
