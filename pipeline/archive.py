@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 import torch
 
 from notebank.schemas import archive as S
-from notebank.schemas._base import SchemaError
+from notebank.schemas._base import SchemaError, read_parquet_bytes, read_parquet_file
 from notebank.schemas.manifest import fingerprint_diff, parse_run_record, run_record
 
 TMP_MARK = ".tmp-"
@@ -403,10 +403,10 @@ class Archive:
             try:
                 if (ref.path, ref.size, ref.sha256) in self._verified:
                     with self.fs.open(self.path(ref.path), "rb") as f:
-                        t = pq.read_table(f, filters=[("doc_id", "=", doc_id)])
+                        t = read_parquet_file(f, filters=[("doc_id", "=", doc_id)])
                 else:
                     data = self.read_verified(ref)
-                    t = pq.read_table(pa.BufferReader(data), filters=[("doc_id", "=", doc_id)])
+                    t = read_parquet_bytes(data, filters=[("doc_id", "=", doc_id)])
                     del data
             except FileNotFoundError as e:
                 raise ArchiveError(f"{where}: file not found") from e

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import fsspec
-import pyarrow.parquet as pq
 
+from notebank.schemas._base import open_parquet_file
 from notebank.schemas.inputs import check_corpus_row, check_question_row
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
@@ -51,11 +51,11 @@ def iter_raw_rows(fs, path: str, batch_rows: int = 64) -> Iterator[tuple[int, di
     if path.endswith(".parquet"):
         with fs.open(path, "rb") as f:
             try:
-                pf = pq.ParquetFile(f)
+                pf = open_parquet_file(f)
             except Exception as e:
                 raise ValueError(f"{fs.unstrip_protocol(path)}: not a readable Parquet file: {e}") from e
             i = 0
-            batches = pf.iter_batches(batch_size=batch_rows)
+            batches = pf.iter_batches(batch_size=batch_rows, use_threads=False)
             while True:
                 try:
                     batch = next(batches)
@@ -195,7 +195,7 @@ def _iter_jsonl_at(fs, path: str, seek: dict):
 def _iter_parquet_at(fs, path: str, row: int):
     with fs.open(path, "rb") as f:
         try:
-            pf = pq.ParquetFile(f)
+            pf = open_parquet_file(f)
         except Exception as e:
             raise ValueError(f"{fs.unstrip_protocol(path)}: not a readable Parquet file: {e}") from e
         first, groups = 0, []
@@ -208,7 +208,7 @@ def _iter_parquet_at(fs, path: str, row: int):
         i = first
         for k in groups:
             try:
-                t = pf.read_row_group(k)
+                t = pf.read_row_group(k, use_threads=False)
             except Exception as e:
                 raise ValueError(f"{fs.unstrip_protocol(path)}: Parquet shard unreadable after row {i} "
                                  f"(truncated or corrupted?): {e}") from e

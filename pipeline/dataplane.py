@@ -508,7 +508,7 @@ def existing_answers(out: Archive) -> tuple[set, dict, list[str]]:
     """-> (pairs answered ok, {failed pair: [parts holding its failed rows]}, problems) of the answers
     dataset; (question_id, method) pairs. A pair answered ok anywhere counts as ok. Unreadable parts
     are set aside (their answers are redone)."""
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import read_parquet_file
     ok, failed, problems = set(), defaultdict(list), []
     if not out.fs.exists(out.root):
         return ok, {}, problems
@@ -518,7 +518,7 @@ def existing_answers(out: Archive) -> tuple[set, dict, list[str]]:
             continue
         try:
             with out.fs.open(p, "rb") as f:
-                t = pq.read_table(f, columns=["question_id", "method", "status"])
+                t = read_parquet_file(f, columns=["question_id", "method", "status"])
         except Exception as e:  # noqa: BLE001 - a damaged part: recomputed
             problems.append(f"{out.fs.unstrip_protocol(p)}: unreadable ({type(e).__name__}), its answers are redone")
             out.fs.mv(p, p + ".damaged")
@@ -586,7 +586,7 @@ def drop_failed_rows(out: Archive, failed: dict, pairs: set) -> int:
     two rows for one pair; a run killed in between leaves the pairs missing, and the next run answers
     them like any missing pair."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import read_parquet_file
 
     from notebank.schemas._base import table_to_parquet_bytes
     by_part: dict[str, set] = defaultdict(set)
@@ -596,7 +596,7 @@ def drop_failed_rows(out: Archive, failed: dict, pairs: set) -> int:
     removed = 0
     for part, drop in sorted(by_part.items()):
         with out.fs.open(part, "rb") as f:
-            t = pq.read_table(f)
+            t = read_parquet_file(f)
         q, m, st = (t.column(c).to_pylist() for c in ("question_id", "method", "status"))
         mask = pa.array([not (s != "ok" and (a, b) in drop) for a, b, s in zip(q, m, st)])
         kept = t.filter(mask)

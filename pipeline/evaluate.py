@@ -385,7 +385,7 @@ def report_from_results(cfg: SweepJobConfig) -> dict:
     model, no Ray, no cells; the file is read and validated (cfg.validate_rows), never written.
     -> the CLI summary."""
     import fsspec
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import read_parquet_file
     cfg.validate()
     url = cfg.output.rstrip("/") + "/results.parquet"
     fs, path = fsspec.core.url_to_fs(url)
@@ -394,7 +394,7 @@ def report_from_results(cfg: SweepJobConfig) -> dict:
     if not fs.exists(path):
         raise ConfigError(f"--report-only: {url} does not exist (run the sweep first, or set output)")
     with fs.open(path, "rb") as f:
-        table = pq.read_table(f)
+        table = read_parquet_file(f)
     try:
         table = cfg.validate_rows(table)
     except ValueError as e:                        # schemas.SchemaError: name the file
@@ -414,14 +414,14 @@ def restore_cells(output: str, todo: list[dict], key: list[str]) -> list[dict]:
     -> the cells still to run."""
     import fsspec
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import read_parquet_file
 
     from notebank.pipeline.fanout import commit_parquet
     fs, path = fsspec.core.url_to_fs(output.rstrip("/") + "/results.parquet")
     if not todo or not fs.exists(path):
         return todo
     with fs.open(path, "rb") as f:
-        shipped = pq.read_table(f)
+        shipped = read_parquet_file(f)
     df = shipped.to_pandas()
     if not set(key) <= set(df.columns):
         return todo

@@ -13,6 +13,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from notebank.schemas._base import read_parquet_file
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -52,7 +54,7 @@ def collect(output: str, cells: list[dict] | None = None) -> pa.Table | None:
     tables = []
     for p in sorted(files):
         with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
+            tables.append(read_parquet_file(f))
     return pa.concat_tables(tables, promote_options="permissive")   # string vs large_string: restored cells keep a shipped file's types
 
 
@@ -87,7 +89,7 @@ def _with_previous_rows(rows: pa.Table | None, results_url: str, key: list[str])
     if not fs.exists(path):
         return rows
     with fs.open(path, "rb") as f:
-        old = pq.read_table(f)
+        old = read_parquet_file(f)
     if rows is None or not rows.num_rows:
         return old
     missing = [k for k in key if k not in old.column_names or k not in rows.column_names]

@@ -106,14 +106,14 @@ def committed_in_store(cfg) -> dict:
     """What the answers folder holds, read from the store (the summary of a job the store failed
     under): answers parts and their rows, ok or failed."""
     import fsspec
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import open_parquet_file
     fs, root = fsspec.core.url_to_fs(cfg.output)
     parts = [p for p in (fs.ls(root, detail=False) if fs.exists(root) else [])
              if p.rsplit("/", 1)[-1].startswith("part-") and p.endswith(".parquet")]
     rows = 0
     for p in parts:
         with fs.open(p, "rb") as f:
-            rows += pq.ParquetFile(f).metadata.num_rows
+            rows += open_parquet_file(f).metadata.num_rows
     return {"committed_parts": len(parts), "committed_rows": rows, "output": cfg.output}
 
 

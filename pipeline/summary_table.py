@@ -46,14 +46,14 @@ def method_label(method: str, read_config: str | None) -> str:
 def answer_rows(answers_url: str) -> list[dict]:
     """The answers dataset's rows (method, read_config, status, score, total_s)."""
     import fsspec
-    import pyarrow.parquet as pq
+    from notebank.schemas._base import read_parquet_file
     fs, path = fsspec.core.url_to_fs(answers_url)
     files = sorted(p for p in fs.glob(path.rstrip("/") + "/part-*.parquet"))
     cols = ["method", "read_config", "status", "score", "total_s"]
     rows: list[dict] = []
     for f in files:
         with fs.open(f, "rb") as fh:
-            t = pq.read_table(fh)
+            t = read_parquet_file(fh)
         rows += t.select([c for c in cols if c in t.column_names]).to_pylist()
     return rows
 

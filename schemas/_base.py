@@ -81,9 +81,40 @@ def table_to_parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+# Reading Parquet from memory Python owns (a Python file object such as fsspec's, BytesIO, bytes) lets
+# pyarrow's IO and CPU threads hold buffers whose release takes the GIL. When the last such buffer is
+# released on one of those threads while the interpreter exits, the thread cannot take the GIL and the
+# process aborts (SIGABRT, exit 134) after all its work is done: ~1 exit in 4 for one small read here
+# (tests/test_parquet_exit.py). Every first-party Parquet read goes through one of the three readers
+# below, which leave no such buffer behind.
+
+def read_parquet_bytes(data: bytes, **kw) -> pa.Table:
+    """A whole Parquet file already in memory -> Table (`kw` as pq.read_table: columns, filters).
+
+    The bytes are copied into memory Arrow owns first, so no Python object is left to Arrow's threads."""
+    out = pa.BufferOutputStream()
+    out.write(data)
+    return pq.read_table(pa.BufferReader(out.getvalue()), **kw)
+
+
+def read_parquet_file(f, **kw) -> pa.Table:
+    """The asked part of a Parquet file open as a Python file object (`kw`: columns, filters).
+
+    Reads only the pages it needs, all on the calling thread (no pre-buffering, no thread pool)."""
+    return pq.read_table(f, pre_buffer=False, use_threads=False, **kw)
+
+
+def open_parquet_file(f) -> pq.ParquetFile:
+    """A ParquetFile over a Python file object, for reads by row group or batch without loading it all.
+
+    It does not pre-buffer; callers pass use_threads=False to read_row_group/iter_batches, so every
+    read stays on the calling thread."""
+    return pq.ParquetFile(f, pre_buffer=False)
+
+
 def parquet_bytes_to_table(data: bytes, where: str) -> pa.Table:
     try:
-        return pq.read_table(io.BytesIO(data))
+        return read_parquet_bytes(data)
     except Exception as e:  # ArrowInvalid, OSError, ... on truncated/corrupted files
         raise SchemaError(f"{where}: not a readable Parquet file (truncated or corrupted?): {type(e).__name__}: {e}") from e
 

@@ -6,7 +6,8 @@ this machine, in a temporary HOME and Ray temp dir. A driver process connects wi
 and ingests a small corpus with the shipped tiny GDN and two ingest actors, one per node (the head
 offers 2 CPUs, the worker node 1, each actor takes 1, and Ray Data spreads its actors). At the
 worker node's first committed group its raylet is SIGKILLed: the node, its actor and its objects
-are gone. Ray Data restarts the actor on the head's spare CPU and redoes the lost batches there.
+are gone. Ray Data redoes the lost batches on the head (its own actor, or the lost one restarted on
+the head's spare CPU).
 Every document must then be in the archive exactly once, and the notes, documents and state files
 must be byte-identical to a single-node run of the same corpus (the archive is deterministic).
 The cluster is stopped by its own processes (`jobs/cluster.py stop`), never by `ray stop`.
@@ -188,14 +189,14 @@ def test_worker_node_lost_mid_ingest_every_document_once_and_identical(two_nodes
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # node_of: pid -> the node whose raylet started it. The process trees are sampled as the run goes: an
     # actor lives from its start (model load) to the end of the run, so it is seen before its records.
-    seen, node_of, first_seen, kill_at = 0, {}, {}, None
+    seen, node_of, kill_at = 0, {}, None
     deadline = time.time() + 480
     try:
         while proc.poll() is None and time.time() < deadline:
             for node, raylet in (("head", head_raylet), ("worker", worker_raylet)):
                 for pid in _descendants(raylet):
                     if pid not in node_of:
-                        node_of[pid], first_seen[pid] = node, time.time()
+                        node_of[pid] = node
             lines = records.read_text().splitlines() if records.exists() else []
             for ln in lines[seen:]:
                 rec = json.loads(ln)
@@ -230,9 +231,13 @@ def test_worker_node_lost_mid_ingest_every_document_once_and_identical(two_nodes
     writers = {r["pid"]: node_of.get(r["pid"]) for r in recs}
     assert set(writers.values()) == {"head", "worker"}, writers
     assert "head" in {writers[r["pid"]] for r in after}, (after, writers)
-    # the worker node's actor had groups queued: Ray restarted it on the head's spare CPU and redid them there
-    restarted = [pid for pid, n in writers.items() if n == "head" and first_seen[pid] > kill_at["t"]]
-    assert restarted, (writers, first_seen, kill_at)
+    # Every group not yet recorded at the loss was done after it, on the head: by the head's own actor or by
+    # the lost actor restarted on the head's spare CPU (which of the two is Ray's scheduling, not ours; a CI
+    # run saw the head's actor take them all).
+    before = {r["doc_id"] for r in recs if r["t"] <= kill_at["t"]}
+    late_from_worker = {r["doc_id"] for r in after if writers[r["pid"]] == "worker"}
+    assert {d["doc_id"] for d in docs} - before - late_from_worker <= {
+        r["doc_id"] for r in after if writers[r["pid"]] == "head"}
     assert {r["doc_id"] for r in recs} == {d["doc_id"] for d in docs}
     worker_pids = {pid for pid, n in writers.items() if n == "worker"}
     assert not [pid for pid in worker_pids if _alive(pid)], "the worker node's actor outlived its raylet"

@@ -193,10 +193,10 @@ def _fs(path: str):
 def _read_rows(path: str) -> list[dict]:
     fs, p = _fs(path)
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        from notebank.schemas._base import read_parquet_file
 
         with fs.open(p, "rb") as f:
-            return pq.read_table(f).to_pylist()
+            return read_parquet_file(f).to_pylist()
     with fs.open(p, "rt", encoding="utf-8") as f:
         text = f.read()
     try:

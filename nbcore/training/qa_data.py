@@ -104,11 +104,11 @@ def _iter_raw(src: str):
     """Yield (where, row) from a JSONL/JSON-lines or Parquet file (local path or fsspec URL)."""
     base = re.sub(r"\.(gz|bz2|xz|zst)$", "", src)
     if base.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        from notebank.schemas._base import open_parquet_file
         with _open(src) as f:
-            pf = pq.ParquetFile(f)
+            pf = open_parquet_file(f)
             i = 0
-            for batch in pf.iter_batches(batch_size=256):
+            for batch in pf.iter_batches(batch_size=256, use_threads=False):
                 for row in batch.to_pylist():
                     i += 1
                     yield f"{src}:row {i}", row
