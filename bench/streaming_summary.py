@@ -9,7 +9,8 @@ replace results.parquet's rows of the same measurement), and writes beside it
     summary.md     the table (methods x task/length cells, mean [CI] n)
     headline.png   niah_single_2 and phrased_heldout: plain vs the NoteBank methods, per length
 
-    python bench/streaming_summary.py [--ruler bench/results/streaming-smollm2/ruler] [--save-rows PARQUET]
+    python bench/streaming_summary.py [--ruler FOLDER [FOLDER ...]] [--save-rows PARQUET]
+    (default folder: bench/results/streaming-smollm2/ruler)
 """
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def headline_png(summary: dict, path: Path) -> bool:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ruler", default=str(OUT / "ruler"), help="the sweep's output folder")
+    ap.add_argument("--ruler", nargs="+", default=[str(OUT / "ruler")], metavar="FOLDER",
+                    help="sweep output folders (a later folder's rows win for the same measurement)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--save-rows", default=None, metavar="PARQUET",
                     help="also write the merged rows here (e.g. bench/results/streaming-smollm2/ruler/results.parquet "
@@ -146,7 +148,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    df = read_rows(Path(a.ruler))
+    import pandas as pd
+    df = pd.concat([read_rows(Path(r)) for r in a.ruler], ignore_index=True).drop_duplicates(subset=KEY, keep="last")
     if a.save_rows:
         Path(a.save_rows).parent.mkdir(parents=True, exist_ok=True)
         df.sort_values(["backbone", "task", "length", "index", "method"]).reset_index(drop=True).to_parquet(
@@ -155,7 +158,7 @@ def main(argv=None) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     md = ["# NoteBank on SmolLM2-135M-Instruct (streaming: 4 sinks + 1,024-token window)", "",
           "RULER accuracy (0-100): mean [95% bootstrap CI] n = examples. Rows from "
-          f"`{Path(a.ruler).relative_to(REPO) if Path(a.ruler).is_relative_to(REPO) else a.ruler}` "
+          + ", ".join(f"`{Path(r).relative_to(REPO) if Path(r).is_relative_to(REPO) else r}`" for r in a.ruler) + " "
           "(configs/eval_streaming_smollm2.yaml); written by bench/streaming_summary.py.", "",
           table_md(summary) if summary else "(no finished cells yet)"]
     (out / "summary.md").write_text("\n".join(md) + "\n")

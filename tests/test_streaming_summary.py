@@ -38,6 +38,23 @@ def test_summary_keys_means_cis_and_cells_override(tmp_path):
     assert (tmp_path / "headline.png").stat().st_size > 1000
 
 
+def test_two_sweep_folders_merge_and_saved_rows_hold_both(tmp_path):
+    from bench.streaming_summary import main
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "cells").mkdir(parents=True)
+    (b / "cells").mkdir(parents=True)
+    pd.DataFrame(_rows("plain", "niah_single_2", 65536, [0, 100])).to_parquet(a / "cells" / "0.parquet")
+    pd.DataFrame(_rows("plain", "phrased_niah_heldout", 65536, [100, 100, 0])).to_parquet(b / "cells" / "0.parquet")
+    # the same measurement in both folders: the later folder's row wins
+    pd.DataFrame(_rows("plain", "niah_single_2", 65536, [100])).to_parquet(b / "cells" / "1.parquet")
+    rows = tmp_path / "rows.parquet"
+    s = main(["--ruler", str(a), str(b), "--out", str(tmp_path), "--save-rows", str(rows)])
+    assert s["smollm2-135m/plain/niah_single_2/64K"]["mean"] == 100.0
+    assert s["smollm2-135m/plain/phrased_heldout/64K"]["n"] == 3
+    assert len(pd.read_parquet(rows)) == 5
+    assert f"`{a}`, `{b}`" in (tmp_path / "summary.md").read_text()
+
+
 def test_streaming_sweep_config_is_valid():
     from notebank.pipeline.config import load_config
     from notebank.pipeline.evaluate_ruler import RulerJobConfig
