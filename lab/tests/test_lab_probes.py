@@ -142,3 +142,22 @@ def test_probe_scripts_import_from_the_repo_root():
         for m in re.findall(r'"models" / "([\w-]+)"|default="models/([\w-]+)"', Path(path).read_text()):
             name = next(x for x in m if x)
             assert (root / "models" / name).is_dir(), f"{script} defaults to the missing models/{name}"
+
+
+def test_mone_ablations_data_and_a_short_run():
+    """lab/probes/mone_ablations.py: each context holds its needle [MARK, value] once and the query's
+    target is that value; a few steps of every variant run and report own/other accuracy."""
+    import torch
+
+    from lab.probes import mone_ablations as ab
+    g = torch.Generator().manual_seed(0)
+    ctx, q = ab.contexts(g, 6, 16)
+    assert ctx.shape == (6, 1, 16) and q.shape == (6, 3)
+    for row, qq in zip(ctx[:, 0], q):
+        at = (row == ab.MARK).nonzero().flatten()
+        assert len(at) == 1 and row[at[0] + 1] == qq[-1] and int(qq[-1]) in ab.VALUES.tolist()
+        assert ((row >= ab.FILLER[0]) | (row == ab.MARK) | (row == qq[-1])).all()
+    for variant in ab.VARIANTS:
+        r = ab.run(variant, "curriculum", seed=0, steps=2, eval_every=2, batch=2)
+        (c,) = r["curve"]
+        assert c["step"] == 2 and c["T"] == 16 and 0 <= c["own_acc"] <= 1 and c["other_ce"] > 0
