@@ -183,3 +183,22 @@ def test_capture_kernel_bench_checks_and_times_both_paths():
     assert row["native_us_per_segment"] > 0 and row["torch_us_per_segment"] > 0 and row["speedup"] > 0
     situ = capture_kernel.bench_in_situ(H=2, D=16, dr=8, C=128, T=300, pairs=3)
     assert situ["layer_call_ms"] > 0 and situ["pairs"] == 3 and {"native_extra_ms", "torch_extra_ms"} <= set(situ)
+
+
+def test_mone_digits_counts_digits_in_place(tmp_path):
+    """bench/mone_digits.py: exact answers, first digit and digits in place per (task, length) from a
+    MoNe run's cells; a short or non-digit answer counts its missing digits as wrong."""
+    import pandas as pd
+
+    from bench import mone_digits
+    assert mone_digits.digits_in_place("3546655.", "3546465") == [True] * 4 + [False, False, True]
+    assert mone_digits.digits_in_place("no", "12") == [False, False]
+    cell = tmp_path / "cells" / "mone" / "niah_single_1" / "1024"
+    cell.mkdir(parents=True)
+    pd.DataFrame({"pred": ["1234567.", "1234000", "9"], "answers": [["1234567"]] * 3,
+                  "score": [100.0, 0.0, 0.0]}).to_parquet(cell / "0000.parquet")
+    res = mone_digits.summarize(tmp_path)["niah_single_1/1024"]
+    assert res["n"] == 3 and res["exact"] == 1 and res["first_digit"] == 2
+    assert res["digits_in_place"] == round((7 + 4 + 0) / 21, 3) and res["by_position"][0] == 0.67
+    with pytest.raises(SystemExit):
+        mone_digits.summarize(tmp_path / "nothing")
