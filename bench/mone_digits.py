@@ -1,4 +1,4 @@
-"""How much of the gold value MoNe's greedy answers carry, per context length (issue 48).
+"""How much of the gold value MoNe's greedy answers carry, per context length.
 
 RULER's string_match_all scores a 7-digit value 0 unless every digit is right, which hides progress
 while the memory learns. This reads the cells of a `jobs/evaluate.py` MoNe run and reports, per

@@ -1,4 +1,4 @@
-"""MoNe ablations on the small case of ../shared/notes/mone-findings.md (issue 48, item 3).
+"""MoNe ablations on the small case of ../shared/notes/mone-findings.md.
 
 One key -> value pair in random filler, written into a fresh memory; the query asks for the value
 (16 possible values: ln 16 = 2.77 nats is no information). Base: a random 2-layer Qwen2 (hidden
