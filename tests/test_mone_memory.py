@@ -5,6 +5,7 @@ groups. CPU, seconds."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,16 @@ def test_curriculum_batches_and_stages(tiny):
         assert value in ctx   # the window holds the needle whose value the question asks for
     seg, msk, q, ans, S = tm.make_batch(2, tc, tok)
     assert seg.shape == (2, 2, 64) and S == 2
+
+
+def test_data_seed_draws_other_examples_and_defaults_to_seed(tiny):
+    _, tok = tiny
+    tc = tm.MetaTrainConfig(tasks=("s_niah",), min_segments=1, max_segments=1, batch_size=2,
+                            mone=tm.MoNeConfig(segment_len=64))
+    base = tm.make_batch(0, tc, tok)[2]   # the questions and answers (the haystack's start repeats)
+    assert torch.equal(tm.make_batch(0, replace(tc, data_seed=tc.seed), tok)[2], base)
+    other = tm.make_batch(0, replace(tc, data_seed=7), tok)[2]
+    assert other.shape != base.shape or not torch.equal(other, base)
 
 
 def test_rate_parameters_get_their_own_learning_rate(tiny):

@@ -64,7 +64,9 @@ class MetaTrainConfig:
     warmup_steps: int = 50          # linear warm-up steps
     weight_decay: float = 0.0       # AdamW weight decay
     clip: float = 1.0               # gradient-norm clip
-    seed: int = 0                   # data and init seed
+    seed: int = 0                   # data and init seed (and the held-out diagnostics batch)
+    data_seed: int = -1             # training examples' seed; -1: ``seed``. A run continued from
+                                    # init_adapters sets it so its steps 0.. draw examples the first run did not
     threads: int = 1                # torch threads
     ckpt_every_s: float = 120.0     # seconds between checkpoints (run_dir/ckpt.pt)
     log_every: int = 10             # steps between log lines
@@ -128,7 +130,7 @@ def make_batch(step: int, tc: MetaTrainConfig, tok):
     for training step ``step`` under its curriculum stage."""
     _, stage = stage_at(step, tc)
     T, B = stage.segment_len, stage.batch_size
-    rng = random.Random(f"mone|{tc.seed}|{step}")
+    rng = random.Random(f"mone|{tc.seed if tc.data_seed < 0 else tc.data_seed}|{step}")
     S = rng.randint(stage.min_segments, stage.max_segments)
     ctxs, qs = [], []
     for _ in range(B):
