@@ -193,12 +193,18 @@ def test_mone_digits_counts_digits_in_place(tmp_path):
     from bench import mone_digits
     assert mone_digits.digits_in_place("3546655.", "3546465") == [True] * 4 + [False, False, True]
     assert mone_digits.digits_in_place("no", "12") == [False, False]
+    assert mone_digits.near_miss(" 4642619.", "4642691") == "swap"
+    assert mone_digits.near_miss("4642699", "4642691") == "one_digit"
+    assert mone_digits.near_miss("4642916", "4642691") == "other"     # a rotation, not one swap
+    assert mone_digits.near_miss("46426", "4642691") == "other"
+    assert mone_digits.near_miss("4642691.", "4642691") == "exact"
     cell = tmp_path / "cells" / "mone" / "niah_single_1" / "1024"
     cell.mkdir(parents=True)
-    pd.DataFrame({"pred": ["1234567.", "1234000", "9"], "answers": [["1234567"]] * 3,
-                  "score": [100.0, 0.0, 0.0]}).to_parquet(cell / "0000.parquet")
+    pd.DataFrame({"pred": ["1234567.", "1234000", "9", "1234576"], "answers": [["1234567"]] * 4,
+                  "score": [100.0, 0.0, 0.0, 0.0]}).to_parquet(cell / "0000.parquet")
     res = mone_digits.summarize(tmp_path)["niah_single_1/1024"]
-    assert res["n"] == 3 and res["exact"] == 1 and res["first_digit"] == 2
-    assert res["digits_in_place"] == round((7 + 4 + 0) / 21, 3) and res["by_position"][0] == 0.67
+    assert res["n"] == 4 and res["exact"] == 1 and res["first_digit"] == 3
+    assert res["digits_in_place"] == round((7 + 4 + 0 + 5) / 28, 3) and res["by_position"][0] == 0.75
+    assert res["swap"] == 1 and res["one_digit"] == 0
     with pytest.raises(SystemExit):
         mone_digits.summarize(tmp_path / "nothing")
