@@ -20,16 +20,20 @@ from pathlib import Path
 import pandas as pd
 
 
+def _digits(pred: str) -> str:
+    return "".join(c for c in pred if c.isdigit())
+
+
 def digits_in_place(pred: str, gold: str) -> list[bool]:
     """Position-by-position match of the prediction's digits (non-digits dropped) against ``gold``."""
-    got = "".join(c for c in pred if c.isdigit())
+    got = _digits(pred)
     return [i < len(got) and got[i] == g for i, g in enumerate(gold)]
 
 
 def near_miss(pred: str, gold: str) -> str:
     """"exact", "swap" (two adjacent digits exchanged), "one_digit" (one substituted) or "other",
     on the answer's first ``len(gold)`` digits (non-digits dropped)."""
-    got = "".join(c for c in pred if c.isdigit())[: len(gold)]
+    got = _digits(pred)[: len(gold)]
     if got == gold:
         return "exact"
     if len(got) == len(gold):

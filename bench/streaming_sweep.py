@@ -33,15 +33,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-cells", type=int, default=None, help="stop after this many cells")
     a = ap.parse_args(argv)
     from notebank.pipeline.config import load_config
-    from notebank.pipeline.evaluate import restore_cells, run_cell
+    from notebank.pipeline.evaluate import cells_to_run, run_cell
     from notebank.pipeline.evaluate_ruler import RulerJobConfig
-    from notebank.pipeline.fanout import unfinished
     cfg = load_config(RulerJobConfig, a.config, a.set).validate()
     cells, _ = cfg.plan()
-    todo = unfinished(cfg.output, cells)
-    if cfg.measurement_key:   # a fresh clone: cells measured in the shipped results.parquet are written back
-        todo = restore_cells(cfg.output, todo, cfg.measurement_key)
-    todo = sorted(todo, key=cfg.cell_order)[: a.max_cells]
+    todo = sorted(cells_to_run(cfg, cells), key=cfg.cell_order)[: a.max_cells]
     print(json.dumps({"cells": len(cells), "todo": len(todo), "output": cfg.output}), flush=True)
     results = []
     for i, cell in enumerate(todo):

@@ -352,9 +352,7 @@ def run_sweep(cfg: SweepJobConfig) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     cells, notes = cfg.plan()
-    todo = unfinished(cfg.output, cells)
-    if cfg.measurement_key:
-        todo = restore_cells(cfg.output, todo, cfg.measurement_key)
+    todo = cells_to_run(cfg, cells)
     missing = len(todo)
     if getattr(cfg, "report_only", False):         # rebuild from finished cells, run nothing
         todo = []
@@ -404,6 +402,15 @@ def report_from_results(cfg: SweepJobConfig) -> dict:
         df = drop_repeated_measurements(df, cfg.measurement_key)
     summary = cfg.report_from_rows(df)
     return {"rows": len(df), "summary_keys": len(summary), "output": cfg.output, "source": url}
+
+
+def cells_to_run(cfg: SweepJobConfig, cells: list[dict]) -> list[dict]:
+    """The planned cells with no file under ``cfg.output`` that the shipped results.parquet cannot
+    restore either (in plan order)."""
+    todo = unfinished(cfg.output, cells)
+    if cfg.measurement_key:
+        todo = restore_cells(cfg.output, todo, cfg.measurement_key)
+    return todo
 
 
 def restore_cells(output: str, todo: list[dict], key: list[str]) -> list[dict]:
