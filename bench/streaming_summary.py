@@ -9,8 +9,13 @@ replace results.parquet's rows of the same measurement), and writes beside it
     summary.md     the table (methods x task/length cells, mean [CI] n)
     headline.png   niah_single_2 and phrased_heldout: plain vs the NoteBank methods, per length
 
-    python bench/streaming_summary.py [--ruler FOLDER [FOLDER ...]] [--save-rows PARQUET]
-    (default folder: bench/results/streaming-smollm2/ruler)
+It also reads the rows of configs/eval_streaming_smollm2_mone.yaml (`<mone>/results.parquet` and its
+cells): `mone` and `rag-bm25` on the same frozen SmolLM2-135M and the same examples (same task,
+length, index, seed, test split and tokenizer), so one table compares every memory. rag-bm25 is
+reported at its best K per (task, length), the MoNe paper's rule (pipeline/reporting/mone.py).
+
+    python bench/streaming_summary.py [--ruler FOLDER [FOLDER ...]] [--mone FOLDER] [--save-rows PARQUET]
+    (default folders: bench/results/streaming-smollm2/ruler and `mone` beside it)
 """
 from __future__ import annotations
 
@@ -29,12 +34,14 @@ if str(REPO) not in sys.path:
 OUT = REPO / "bench" / "results" / "streaming-smollm2"
 TASK_NAMES = {"phrased_niah_heldout": "phrased_heldout"}
 KEY = ["backbone", "budget", "method", "task", "length", "index"]
-METHOD_ORDER = ["icl", "plain", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", "nb-embmax_centered-top2",
+METHOD_ORDER = ["icl", "rag-bm25", "mone", "plain", "clean-start", "nb-tf-top2", "nb-tf-top2-reset", "nb-embmax_centered-top2",
                 "nb-embmax_centered-top2-reset", "nb-bm25-top2", "nb-bm25-top2-reset", "nb-oracle-top2",
                 "nb-oracle-top2-reset"]
 HEADLINE_TASKS = ["niah_single_2", "phrased_heldout"]
 # the plot keeps one read per router (no -reset twins: those are in summary.md) so bars stay readable
-HEADLINE_METHODS = ["icl", "plain", "nb-tf-top2", "nb-embmax_centered-top2", "nb-bm25-top2", "nb-oracle-top2"]
+HEADLINE_METHODS = ["icl", "rag-bm25", "mone", "plain", "nb-tf-top2", "nb-embmax_centered-top2", "nb-bm25-top2",
+                    "nb-oracle-top2"]
+MONE_LABEL = "smollm2-135m"     # the MoNe rows' backbone: the streaming rows' reported name
 
 
 def length_label(n: int) -> str:
@@ -56,6 +63,26 @@ def read_rows(ruler_dir: Path):
     if "budget" not in df:
         df["budget"] = "default"
     return df.drop_duplicates(subset=KEY, keep="last")
+
+
+def read_mone_rows(mone_dir: Path):
+    """The MoNe harness's rows (results.parquet, then finished cells) as streaming-table rows: rag at its
+    best K per (task, length); backbone ``MONE_LABEL``, budget ``default``."""
+    import pandas as pd
+
+    from notebank.pipeline.reporting.mone import best_rows
+    frames = []
+    shipped = mone_dir / "results.parquet"
+    if shipped.is_file():
+        frames.append(pd.read_parquet(shipped))
+    frames += [pd.read_parquet(f) for f in sorted(glob.glob(str(mone_dir / "cells" / "**" / "*.parquet"),
+                                                            recursive=True))]
+    if not frames:
+        return pd.DataFrame(columns=KEY + ["score"])
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(subset=["method", "task", "length", "index", "rag_k"], keep="last")
+    df = best_rows(df.assign(task_label=df["task"]))
+    return df.assign(backbone=MONE_LABEL, budget="default")[KEY + ["score", "rag_k"]]
 
 
 def summarize(df) -> dict:
@@ -137,15 +164,24 @@ def headline_png(summary: dict, path: Path) -> bool:
     return True
 
 
+def _rel(p) -> str:
+    p = Path(p).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ruler", nargs="+", default=[str(OUT / "ruler")], metavar="FOLDER",
                     help="sweep output folders (a later folder's rows win for the same measurement)")
+    ap.add_argument("--mone", default=None, metavar="FOLDER",
+                    help="output of configs/eval_streaming_smollm2_mone.yaml (mone and rag-bm25 on the same "
+                         "examples; default: `mone` beside the first --ruler folder); a missing folder adds nothing")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--save-rows", default=None, metavar="PARQUET",
                     help="also write the merged rows here (e.g. bench/results/streaming-smollm2/ruler/results.parquet "
                          "after a sweep run with another output folder)")
     a = ap.parse_args(argv)
+    a.mone = a.mone or str(Path(a.ruler[0]).parent / "mone")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import pandas as pd
@@ -154,12 +190,17 @@ def main(argv=None) -> dict:
         Path(a.save_rows).parent.mkdir(parents=True, exist_ok=True)
         df.sort_values(["backbone", "task", "length", "index", "method"]).reset_index(drop=True).to_parquet(
             a.save_rows, index=False)
-    summary = summarize(df) if len(df) else {}
+    mone = read_mone_rows(Path(a.mone))
+    both = pd.concat([df, mone], ignore_index=True) if len(mone) else df
+    summary = summarize(both) if len(both) else {}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     md = ["# NoteBank on SmolLM2-135M-Instruct (streaming: 4 sinks + 1,024-token window)", "",
           "RULER accuracy (0-100): mean [95% bootstrap CI] n = examples. Rows from "
-          + ", ".join(f"`{Path(r).relative_to(REPO) if Path(r).is_relative_to(REPO) else r}`" for r in a.ruler) + " "
-          "(configs/eval_streaming_smollm2.yaml); written by bench/streaming_summary.py.", "",
+          + ", ".join(f"`{_rel(r)}`" for r in a.ruler) + " (configs/eval_streaming_smollm2.yaml)"
+          + (f" and `{_rel(a.mone)}` (configs/eval_streaming_smollm2_mone.yaml: `mone` and `rag-bm25` on the "
+             "full-attention base, same examples; rag-bm25 at its best K in {1, 4, 8} per task and length, "
+             "128-token chunks)" if len(mone) else "")
+          + "; written by bench/streaming_summary.py.", "",
           table_md(summary) if summary else "(no finished cells yet)"]
     (out / "summary.md").write_text("\n".join(md) + "\n")
     headline_png(summary, out / "headline.png")

@@ -61,7 +61,7 @@ def main(argv=None):
     cfg = parse(cls, __doc__.split("\n")[0], argv, extra_args=[(("--report-only",), REPORT_ONLY),
                                                                 (("--force",), FORCE)])
     from_results = "--report-only" in args
-    if (from_results or getattr(cfg, "report_only", False)) and "--force" not in args:
+    if (from_results or cfg.report_only) and "--force" not in args:
         tracked = committed_files(cfg.output)
         if tracked:
             print(f"error: {cfg.output} holds {len(tracked)} committed files (e.g. {tracked[0]}); rebuilding the "
@@ -70,7 +70,7 @@ def main(argv=None):
                   f"--set output=out/report\nor pass --force to rewrite the committed files.", file=sys.stderr)
             raise SystemExit(2)
     # report_only / --report-only run no cell: no Ray (starting one on a busy node can time out)
-    started = False if from_results or getattr(cfg, "report_only", False) else setup(cfg)
+    started = False if from_results or cfg.report_only else setup(cfg)
     try:
         if from_results:
             from notebank.pipeline.evaluate import report_from_results

@@ -67,6 +67,8 @@ class SweepJobConfig(BenchmarkJobConfig):
     report_planned_only: ClassVar[bool] = False             # report the planned cells (else every finished one)
     num_actors: int = 0                     # model-holding actors per model; 0: as many as the Ray cluster fits
     accelerator_type: str | None = None     # e.g. H100 (Ray accelerator type of the actors' GPUs)
+    report_only: bool = False               # gather finished cells into results.parquet, report, run nothing
+    #                                         (jobs/evaluate.py --report-only: from results.parquet alone)
 
     def plan(self) -> tuple[list[dict], dict]:
         """-> (cells, notes): the cells in plan order; notes are planning facts for the report/summary."""
@@ -354,7 +356,7 @@ def run_sweep(cfg: SweepJobConfig) -> dict:
     cells, notes = cfg.plan()
     todo = cells_to_run(cfg, cells)
     missing = len(todo)
-    if getattr(cfg, "report_only", False):         # rebuild from finished cells, run nothing
+    if cfg.report_only:         # rebuild from finished cells, run nothing
         todo = []
     todo.sort(key=cfg.cell_order)
     cpus, gpus = cfg.resources()
@@ -372,7 +374,7 @@ def run_sweep(cfg: SweepJobConfig) -> dict:
                            key=cfg.measurement_key, prepare=cfg.validate_rows)
     return {plural: len(cells), f"{plural}_run": len(todo), f"{plural}_skipped": len(cells) - missing,
             f"{plural}_failed": len(failed),
-            f"{plural}_missing": missing if getattr(cfg, "report_only", False) else len(failed),
+            f"{plural}_missing": missing if cfg.report_only else len(failed),
             "tokens": sum(r["n_tokens"] for r in results), "wall_s": round(time.perf_counter() - t0, 2),
             "summary_keys": len(summary), "output": cfg.output, **cfg.summary_extra(cells, notes),
             "failures": [f"{f['path']}: {f['error']}" for f in failed[:5]]}

@@ -55,7 +55,6 @@ class RulerJobConfig(BackboneSweepConfig):
     block_size: int = 65536
     num_cpus_per_cell: float = 1.0
     num_gpus_per_cell: float = 0.0
-    report_only: bool = False                       # gather finished cells into results.parquet, report, run nothing (--report-only: the file alone)
     only_backbones: list[str] = field(default_factory=list)   # run just these entries (report: all cells)
     only_lengths: list[str] = field(default_factory=list)     # run just these lengths, e.g. [4K, 64K]
 

@@ -219,3 +219,39 @@ def test_answer_only_lm_head_equals_the_full_logits_loss(tiny):
     assert res[0][0] == pytest.approx(res[1][0], rel=1e-5) and res[0][1] == res[1][1]
     for n, g in res[0][2].items():
         torch.testing.assert_close(g, res[1][2][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_checkpointed_write_gives_the_same_loss_and_gradients():
+    """MoNeModel.write(checkpoint=True) recomputes each (segment, layer) update in the backward pass:
+    the same answer loss and the same gradient for every MoNe parameter as the stored-activation
+    write, at odd sizes (3 rows, 3 segments of 16 tokens, a padded tail), and identical states
+    without grad."""
+    torch.manual_seed(0)
+    model = MoNeModel(_tiny_base(), MoNeConfig(segment_len=T, mem_heads=2, lora_rank=4, lora_alpha=4,
+                                               gate_init=1.0))
+    for p in model.mone.parameters():                  # away from the init so every LoRA path carries grad
+        p.data.add_(0.05 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    seg = torch.randint(8, 48, (3, 3, T), generator=g)
+    msk = torch.ones_like(seg, dtype=torch.bool)
+    msk[1, 2, 9:] = False
+    msk[2, 2, :] = False
+    q = torch.randint(8, 48, (3, 5), generator=g)
+    res = []
+    for ck in (False, True):
+        model.zero_grad(set_to_none=True)
+        fast = model.write(model.fresh(3), seg, msk, checkpoint=ck)
+        loss = F.cross_entropy(model.logits(q, fast)[:, -2], q[:, -1])
+        loss.backward()
+        res.append((loss.item(), {n: p.grad.clone() for n, p in model.mone.named_parameters()
+                                  if p.grad is not None}))
+    assert res[0][0] == pytest.approx(res[1][0], rel=1e-6)
+    assert res[0][1].keys() == res[1][1].keys() and len(res[0][1]) > 10
+    for n, gr in res[0][1].items():
+        torch.testing.assert_close(res[1][1][n], gr, rtol=1e-5, atol=1e-7, msg=n)
+    with torch.no_grad():
+        a = model.write(model.fresh(3), seg, msk)
+        b = model.write(model.fresh(3), seg, msk, checkpoint=True)
+    for la, lb in zip(a, b):
+        for k, v in la.tensors().items():
+            assert torch.equal(v, lb.tensors()[k]), k

@@ -302,6 +302,13 @@ def test_eval_job_end_to_end_and_resume(ray_session, tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text()) == summary
     key = lambda r: (r["method"], r["task"], r["length"], r["index"], r["rag_k"])  # noqa: E731
     assert sorted(pq.read_table(out / "results.parquet").to_pylist(), key=key) == sorted(shipped, key=key)
+
+    # report_only: the finished cells gathered into results.parquet and the report, no cell run
+    (out / "results.parquet").unlink()
+    (out / "summary.json").unlink()
+    s = eval_job.main(["-c", cfg, "--set", "report_only=true"])
+    assert s["cells_run"] == 0 and json.loads((out / "summary.json").read_text()) == summary
+    assert sorted(pq.read_table(out / "results.parquet").to_pylist(), key=key) == sorted(shipped, key=key)
     capsys.readouterr()
 
 

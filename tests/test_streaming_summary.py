@@ -65,3 +65,48 @@ def test_streaming_sweep_config_is_valid():
     assert cfg.examples_at("64K", main) == 10 and cfg.examples_at("16K", main) == 20
     assert {"plain", "nb-tf-top2-reset", "nb-embmax_centered-top2", "nb-bm25-top2-reset",
             "nb-oracle-top2-reset"} <= set(cfg.methods_at(main, "16K"))
+
+
+def _mone_rows(method, task, length, scores, rag_k=None):
+    return [dict(method=method, task=task, task_label=task, length=length, index=i, score=float(s), rag_k=rag_k,
+                 rag_recall=None if rag_k is None else 100.0, pred="", answers=["1"]) for i, s in enumerate(scores)]
+
+
+def test_mone_harness_rows_join_the_table_with_rag_at_its_best_k(tmp_path):
+    from bench.streaming_summary import main
+    ruler, mone = tmp_path / "ruler", tmp_path / "mone"
+    ruler.mkdir()
+    (mone / "cells" / "mone").mkdir(parents=True)
+    pd.DataFrame(_rows("plain", "niah_single_2", 4096, [0, 100])).to_parquet(ruler / "results.parquet")
+    rag = (_mone_rows("rag-bm25", "niah_single_2", 4096, [0, 0], rag_k=1)
+           + _mone_rows("rag-bm25", "niah_single_2", 4096, [100, 0], rag_k=4)
+           + _mone_rows("rag-bm25", "niah_single_2", 4096, [100, 100], rag_k=8)
+           + _mone_rows("rag-bm25", "phrased_niah_heldout", 4096, [100, 0], rag_k=1)
+           + _mone_rows("rag-bm25", "phrased_niah_heldout", 4096, [100, 0], rag_k=4))
+    pd.DataFrame(rag).to_parquet(mone / "results.parquet")
+    # a finished cell: mone on two examples, plus a re-measured shipped row (the cell wins)
+    pd.DataFrame(_mone_rows("mone", "niah_single_2", 4096, [100, 0]) + _mone_rows("rag-bm25", "niah_single_2", 4096,
+                 [0], rag_k=8)).to_parquet(mone / "cells" / "mone" / "0.parquet")
+    s = main(["--ruler", str(ruler), "--out", str(tmp_path)])       # --mone defaults to `mone` beside --ruler
+    assert s["smollm2-135m/mone/niah_single_2/4K"]["mean"] == 50.0
+    # K 8 scored 0 + 100 after the cell's row replaced example 0: a tie with K 4 -> the smaller K, 50
+    assert s["smollm2-135m/rag-bm25/niah_single_2/4K"] == {**s["smollm2-135m/rag-bm25/niah_single_2/4K"],
+                                                           "mean": 50.0, "n": 2}
+    assert s["smollm2-135m/rag-bm25/phrased_heldout/4K"]["n"] == 2      # one K's rows, not both
+    assert s["smollm2-135m/plain/niah_single_2/4K"]["mean"] == 50.0
+    md = (tmp_path / "summary.md").read_text()
+    assert "| rag-bm25 |" in md and "| mone |" in md and "eval_streaming_smollm2_mone.yaml" in md
+    # without the folder the table is the streaming rows alone
+    s2 = main(["--ruler", str(ruler), "--mone", str(tmp_path / "absent"), "--out", str(tmp_path / "o")])
+    assert set(s2) == {"smollm2-135m/plain/niah_single_2/4K"}
+
+
+def test_streaming_mone_config_uses_the_streaming_examples():
+    from notebank.pipeline.config import load_config
+    from notebank.pipeline.evaluate_mone import MoneEvalJobConfig
+    from notebank.pipeline.evaluate_ruler import RulerJobConfig
+    m = load_config(MoneEvalJobConfig, REPO / "configs" / "eval_streaming_smollm2_mone.yaml").validate()
+    r = load_config(RulerJobConfig, REPO / "configs" / "eval_streaming_smollm2.yaml").validate()
+    assert m.model == r.backbones[0].model.path and (m.seed, m.split) == (r.seed, "test")
+    assert set(m.tasks) <= set(r.tasks) and "phrased_niah_heldout" in m.tasks
+    assert m.label == "smollm2-135m" and set(m.methods) == {"mone", "rag-bm25"}

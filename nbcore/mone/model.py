@@ -242,16 +242,33 @@ class MoNeModel(nn.Module):
         return xs
 
     def write(self, fast: list[FastWeights], seg_ids: torch.Tensor, seg_mask: torch.Tensor,
-              xs: list[torch.Tensor] | None = None) -> list[FastWeights]:
+              xs: list[torch.Tensor] | None = None, checkpoint: bool = False) -> list[FastWeights]:
         """Write S segments into a batch of states. seg_ids, seg_mask: [B, S, T]. Sequential over
-        segments, layer-local at each layer. Differentiable w.r.t. the MoNe parameters."""
+        segments, layer-local at each layer. Differentiable w.r.t. the MoNe parameters.
+
+        checkpoint: recompute each (segment, layer) update in the backward pass instead of keeping its
+        activations (torch.utils.checkpoint). Backpropagation through S segments then holds S x layers
+        fast-weight states (SmolLM2: ~2 MB per row each) rather than every update's keys, values, LoRA
+        and SwiGLU intermediates (several times that), for ~1.3x the write's compute; the gradients are
+        the same (tests/test_mone_memory.py)."""
         B, S, T = seg_ids.shape
         if xs is None:
             xs = self.segment_inputs(seg_ids.reshape(B * S, T))
         xs = [x.view(B, S, T, -1) for x in xs]
+        step = self._checkpointed_write if checkpoint and torch.is_grad_enabled() else self.layer_write
         for s in range(S):
-            fast = [self.layer_write(l, fast[l], xs[l][:, s], seg_mask[:, s]) for l in range(self.n_layers)]
+            fast = [step(l, fast[l], xs[l][:, s], seg_mask[:, s]) for l in range(self.n_layers)]
         return fast
+
+    def _checkpointed_write(self, layer: int, fw: FastWeights, x: torch.Tensor, mask: torch.Tensor) -> FastWeights:
+        from torch.utils.checkpoint import checkpoint
+        names = list(fw.tensors())
+
+        def update(x, mask, *state):
+            return tuple(self.layer_write(layer, FastWeights(**dict(zip(names, state))), x, mask).tensors().values())
+
+        return FastWeights(**dict(zip(names, checkpoint(update, x, mask, *fw.tensors().values(),
+                                                        use_reentrant=False))))
 
     # ------------------------------------------------------------------------------------------
     # frozen forward (own loop over the transformers modules, so memory K/V can be injected)

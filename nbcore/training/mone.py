@@ -77,6 +77,9 @@ class MetaTrainConfig:
     diag_lengths: list[int] = field(default_factory=lambda: [1024, 4096])   # their context lengths
     diag_n: list[int] = field(default_factory=lambda: [8, 4])               # examples per length
     init_adapters: str = ""         # start from these MoNe parameters (a folder with mone_adapters.safetensors)
+    checkpoint_write: bool = True   # recompute each segment's write in the backward pass: the same
+                                    # gradients with ~1/4 of the memory per segment, and faster on CPU
+                                    # (bench/results/mone/write_memory.json); false: keep every activation
     mone: MoNeConfig = field(default_factory=lambda: MoNeConfig(segment_len=128))   # the memory's shape
                                     # (segment_len: the deployed T, which the diagnostics use)
 
@@ -159,11 +162,12 @@ def make_batch(step: int, tc: MetaTrainConfig, tok):
     return seg.view(-1, S, T), msk.view(-1, S, T), q_ids, ans, S
 
 
-def meta_loss(model: MoNeModel, seg, msk, q_ids, ans):
+def meta_loss(model: MoNeModel, seg, msk, q_ids, ans, checkpoint: bool = False):
     """(mean answer-token CE, share of rows whose answer tokens are all argmax-correct). The LM head
     (49K x 576 on SmolLM2, a fifth of the query pass) runs on the answer positions only;
-    ``meta_loss_reference`` is the full-logits form it is tested equal to."""
-    fast = model.write(model.fresh(seg.shape[0]), seg, msk)
+    ``meta_loss_reference`` is the full-logits form it is tested equal to. ``checkpoint``: recompute
+    the write chain in the backward pass (MoNeModel.write), for long contexts."""
+    fast = model.write(model.fresh(seg.shape[0]), seg, msk, checkpoint=checkpoint)
     h, _ = model._run(q_ids, torch.arange(q_ids.shape[1]), fast=fast)
     a = ans[:, :-1]
     logits = model.base.lm_head(h[:, :-1][a])          # [answer tokens, vocab]
@@ -405,7 +409,7 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         lr = lr_at(step, frac, tc)
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
-        loss, em = meta_loss(model, seg, msk, q_ids, ans)
+        loss, em = meta_loss(model, seg, msk, q_ids, ans, checkpoint=tc.checkpoint_write)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = float(torch.nn.utils.clip_grad_norm_(params, tc.clip))
