@@ -78,3 +78,20 @@ def test_actor_larger_than_every_node_is_refused_at_once(inputs, tmp_path):
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-3000:])
     assert "each actor needs 2 CPUs" in p.stderr and "ray.num_cpus" in p.stderr
     assert wall < 120
+
+
+def test_a_niced_job_keeps_its_niceness_on_its_local_ray_workers():
+    """A job run under `nice` starts its local Ray with workers at the job's own niceness (Ray's
+    default puts them 15 levels lower, so a niced job starved beside other niced work)."""
+    code = ("import os, ray\n"
+            "from notebank.pipeline.cli import init_ray\n"
+            "from notebank.pipeline.config import RaySpec\n"
+            "init_ray(RaySpec(num_cpus=1))\n"
+            "print('NICE', os.nice(0), ray.get(ray.remote(lambda: os.nice(0)).remote()))\n"
+            "ray.shutdown()\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RAY_worker_niceness", "RAY_ADDRESS")}
+    p = subprocess.run(["nice", "-n", "2", sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=LIMIT_S)
+    assert p.returncode == 0, p.stderr[-2000:]
+    driver, worker = map(int, p.stdout.split("NICE")[1].split())
+    assert worker == driver
