@@ -2,6 +2,7 @@
 bad input exits 2 with one line, before Ray starts or a model loads, leaving no output behind."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -110,6 +111,16 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "mone" / "mone_adapters.safetensors").is_file()
     assert (tmp_path / "run").is_dir() and any((tmp_path / "run").iterdir())
+    # a continuation from those parameters records them as its parent, and the steps behind it
+    p, _ = _run("jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=1",
+                "--set", f"out={tmp_path / 'mone2'}", "--set", f"run_dir={tmp_path / 'run2'}",
+                "--set", "train.batch_size=1", "--set", "train.max_segments=2",
+                "--set", f"train.init_adapters={tmp_path / 'mone'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    first = json.loads((tmp_path / "mone" / "mone_config.json").read_text())
+    second = json.loads((tmp_path / "mone2" / "mone_config.json").read_text())
+    assert (first["steps"], first["steps_total"], first["parent"]) == (2, 2, None)
+    assert (second["steps"], second["steps_total"]) == (1, 3) and second["parent"] == first
 
 
 def test_relative_paths_are_made_absolute_for_an_existing_cluster():

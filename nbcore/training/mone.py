@@ -345,10 +345,14 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     run_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(base_dir)
     model = MoNeModel.from_pretrained(base_dir, cfg=tc.mone)
+    parent = None                   # the starting parameters' own record: the exported lineage
     if tc.init_adapters:
         from safetensors.torch import load_file
         model.mone.load_state_dict(load_file(str(Path(tc.init_adapters) / "mone_adapters.safetensors")))
         log(f"initial MoNe parameters from {tc.init_adapters}")
+        rec = Path(tc.init_adapters) / "mone_config.json"
+        parent = json.loads(rec.read_text()) if rec.is_file() else {"steps": None, "note": "no mone_config.json"}
+    parent_steps = int((parent or {}).get("steps_total", (parent or {}).get("steps")) or 0)
     params = model.trainable_parameters()
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     step, elapsed, ema, history, diags = 0, 0.0, None, [], []
@@ -380,7 +384,10 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
                 "wall_s": round(time.time() - t0, 1), "trainable_params": n_train,
                 "base_params": n_base, "fast_weight_params_per_layer": fast_per_layer,
                 "ema": {"loss": ema[0], "tf_em": ema[1]} if ema else None,
-                "diagnostics": diags[-1] if diags else None}
+                "diagnostics": diags[-1] if diags else None,
+                # every step behind these parameters, through the runs they were continued from
+                "steps_total": step + parent_steps,
+                "parent": parent}
 
     def save():
         tmp = run_dir / "ckpt.pt.tmp"
