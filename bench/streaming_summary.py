@@ -201,6 +201,10 @@ def main(argv=None) -> dict:
              "full-attention base, same examples; rag-bm25 at its best K in {1, 4, 8} per task and length, "
              "128-token chunks)" if len(mone) else "")
           + "; written by bench/streaming_summary.py.", "",
+          *(["rag-bm25's K per cell: " + ", ".join(
+              f"{TASK_NAMES.get(t, t)} {length_label(int(L))}: {int(k)}"
+              for (t, L), k in sorted(mone[mone.method == "rag-bm25"].groupby(["task", "length"])["rag_k"].first()
+                                      .items())), ""] if len(mone) and (mone.method == "rag-bm25").any() else []),
           table_md(summary) if summary else "(no finished cells yet)"]
     (out / "summary.md").write_text("\n".join(md) + "\n")
     headline_png(summary, out / "headline.png")

@@ -96,6 +96,7 @@ def test_mone_harness_rows_join_the_table_with_rag_at_its_best_k(tmp_path):
     assert s["smollm2-135m/plain/niah_single_2/4K"]["mean"] == 50.0
     md = (tmp_path / "summary.md").read_text()
     assert "| rag-bm25 |" in md and "| mone |" in md and "eval_streaming_smollm2_mone.yaml" in md
+    assert "K per cell: niah_single_2 4K: 4, phrased_heldout 4K: 1" in md
     # without the folder the table is the streaming rows alone
     s2 = main(["--ruler", str(ruler), "--mone", str(tmp_path / "absent"), "--out", str(tmp_path / "o")])
     assert set(s2) == {"smollm2-135m/plain/niah_single_2/4K"}
