@@ -63,6 +63,9 @@ class TrainMoneJobConfig:
             raise ConfigError("train: need 1 <= min_segments <= max_segments")
         if self.train.batch_size < 1 or self.train.max_steps < 0 or self.train.threads < 1:
             raise ConfigError("train: batch_size and threads must be >= 1, max_steps >= 0")
+        import re
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.train.device):
+            raise ConfigError(f"train.device must be cpu, cuda, cuda:N or auto, got {self.train.device!r}")
         for i, st in enumerate(self.train.curriculum):
             if st.steps < 1 or st.segment_len < 1 or st.batch_size < 1 or not 1 <= st.min_segments <= st.max_segments:
                 raise ConfigError(f"train.curriculum[{i}]: need steps, segment_len, batch_size >= 1 and "
@@ -231,7 +234,7 @@ def train_ray(cfg: dict):
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **_MALLOC}})
     trainer = TorchTrainer(
         _ray_loop, train_loop_config={"cfg": cfg, "root": str(ROOT)},
-        scaling_config=ScalingConfig(num_workers=1, use_gpu=False,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=cfg["train"].get("device", "cpu").startswith("cuda"),
                                      resources_per_worker={"CPU": cfg["train"]["threads"]}),
         run_config=RunConfig(name="train_mone", storage_path=str(_abs(cfg["run_dir"]) / "ray")))
     return trainer.fit()

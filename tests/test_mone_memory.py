@@ -255,3 +255,35 @@ def test_checkpointed_write_gives_the_same_loss_and_gradients():
     for la, lb in zip(a, b):
         for k, v in la.tensors().items():
             assert torch.equal(v, lb.tensors()[k]), k
+
+
+def test_write_and_query_keep_every_tensor_on_the_models_device():
+    """No GPU here: the model on PyTorch's `meta` device stands in for one. Any tensor the write chain
+    (stored or recomputed), the query pass, its backward or the ingest path made on the CPU would meet
+    the model's tensors and raise "Tensor on device cpu is not on the expected device meta"."""
+    from nbcore.mone import state as mstate
+    model = MoNeModel(_tiny_base(), MoNeConfig(segment_len=T, mem_heads=2, lora_rank=4, lora_alpha=4,
+                                               gate_init=1.0)).to("meta")
+    assert model.device.type == "meta"
+    seg = torch.randint(8, 48, (2, 3, T), device="meta")
+    msk = torch.ones(2, 3, T, dtype=torch.bool, device="meta")
+    q = torch.randint(8, 48, (2, 5), device="meta")
+    for ck in (False, True):
+        fast = model.write(model.fresh(2), seg, msk, checkpoint=ck)
+        loss = F.cross_entropy(model.logits(q, fast)[:, -2], q[:, -1])
+        loss.backward()
+        assert loss.device.type == "meta"
+    st = mstate.ingest(model, list(range(8, 8 + 2 * T + 3)))
+    assert all(v.device.type == "meta" for fw in mstate.finalized(model, st) for v in fw.tensors().values())
+
+
+def test_training_device_names():
+    assert tm.resolve_device("cpu").type == "cpu"
+    assert tm.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            tm.resolve_device("cuda")
+    from notebank.pipeline.config import ConfigError, load_config
+    from notebank.pipeline.train_mone import TrainMoneJobConfig
+    with pytest.raises(ConfigError, match="train.device must be"):
+        load_config(TrainMoneJobConfig, REPO / "configs" / "train_mone.yaml", ["train.device=gpu"]).validate()

@@ -138,7 +138,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10000.0):
     """cos/sin tables [T, 1, D] for positions [T] (rotate-half convention)."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     ang = positions.to(torch.float32)[:, None] * inv[None, :]
     emb = torch.cat([ang, ang], dim=-1)
     return emb.cos()[:, None, :], emb.sin()[:, None, :]

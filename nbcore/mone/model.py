@@ -153,7 +153,7 @@ class MoNeModel(nn.Module):
         from safetensors.torch import save_file
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.mone.state_dict().items()},
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.mone.state_dict().items()},
                   str(out / "mone_adapters.safetensors"))
         (out / "mone_config.json").write_text(json.dumps({"mone": asdict(self.cfg), **(extra or {})},
                                                          indent=2))
@@ -176,6 +176,11 @@ class MoNeModel(nn.Module):
             from safetensors.torch import load_file
             model.mone.load_state_dict(load_file(str(Path(adapters_dir) / "mone_adapters.safetensors")))
         return model
+
+    @property
+    def device(self) -> torch.device:
+        """Where the frozen base (and the MoNe parameters, moved with it by ``.to``) live."""
+        return self.base.lm_head.weight.device
 
     def trainable_parameters(self):
         return [p for p in self.mone.parameters() if p.requires_grad]
@@ -204,7 +209,7 @@ class MoNeModel(nn.Module):
         T = x.shape[1]
         k = self._heads_view(attn.k_proj(x) + ml.lora["wk"](x))
         v = self._heads_view(attn.v_proj(x) + ml.lora["wv"](x))
-        pos = torch.arange(T) if self.cfg.key_rope else None  # segment-local: j mod T
+        pos = torch.arange(T, device=x.device) if self.cfg.key_rope else None  # segment-local: j mod T
         m = mask.to(x.dtype).unsqueeze(-1)
         if self.cfg.center_keys:
             # a direction shared by every key of the segment makes the update return nearly the
@@ -238,7 +243,8 @@ class MoNeModel(nn.Module):
     def segment_inputs(self, seg_ids: torch.Tensor) -> list[torch.Tensor]:
         """Frozen forward of independent segments [N, T] (positions 0..T-1, right padding allowed):
         the attention input x of every layer, [N, T, d] each (detached)."""
-        _, xs = self._run(seg_ids, torch.arange(seg_ids.shape[1]), capture=True)
+        _, xs = self._run(seg_ids, torch.arange(seg_ids.shape[1], device=seg_ids.device), capture=True,
+                          from_zero=True)
         return xs
 
     def write(self, fast: list[FastWeights], seg_ids: torch.Tensor, seg_mask: torch.Tensor,
@@ -290,14 +296,15 @@ class MoNeModel(nn.Module):
         return mk, mv
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, fast: list[FastWeights] | None = None,
-             cache: LayerCache | None = None, capture: bool = False):
+             cache: LayerCache | None = None, capture: bool = False, from_zero: bool = False):
         from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, repeat_kv
         base = self.base.model
         B, n = ids.shape
         h = base.embed_tokens(ids)
-        # no memory tokens, nothing cached, positions 0..n-1: the mask is exactly causal
+        # no memory tokens, nothing cached, positions 0..n-1: the mask is exactly causal.
+        # from_zero: the caller made positions = arange(n) (no data-dependent check needed)
         causal = (fast is None and n > 1 and (cache is None or cache.k[0] is None)
-                  and torch.equal(positions, torch.arange(n)))
+                  and (from_zero or torch.equal(positions, torch.arange(n, device=positions.device))))
         cos, sin = base.rotary_emb(h, positions[None].expand(B, n))
         xs = []
         for l, layer in enumerate(base.layers):
@@ -340,7 +347,7 @@ class MoNeModel(nn.Module):
         """Query pass (fast=None: the plain frozen model). ids [B, n]; positions default [0, n).
         -> [B, n, vocab], or [B, 1, vocab] with last_only (decoding needs no other row)."""
         if positions is None:
-            positions = torch.arange(ids.shape[1])
+            positions = torch.arange(ids.shape[1], device=ids.device)
         h, _ = self._run(ids, positions, fast=fast, cache=cache)
         return self.base.lm_head(h[:, -1:] if last_only else h)
 
@@ -350,8 +357,9 @@ class MoNeModel(nn.Module):
         """Greedy decoding with a K/V cache (own + memory entries). Positions continue from the
         prompt: local [0, |Q|) for MoNe queries, [0, N + |Q|) for ICL/RAG prompts."""
         cache = LayerCache(self.n_layers)
-        ids = torch.tensor([prompt])
-        logits = self.logits(ids, fast, torch.arange(len(prompt)), cache, last_only=True)
+        dev = self.device
+        ids = torch.tensor([prompt], device=dev)
+        logits = self.logits(ids, fast, torch.arange(len(prompt), device=dev), cache, last_only=True)
         out: list[int] = []
         pos = len(prompt)
         for _ in range(max_new):
@@ -361,6 +369,6 @@ class MoNeModel(nn.Module):
             out.append(nxt)
             if len(out) == max_new:
                 break
-            logits = self.logits(torch.tensor([[nxt]]), fast, torch.tensor([pos]), cache)
+            logits = self.logits(torch.tensor([[nxt]], device=dev), fast, torch.tensor([pos], device=dev), cache)
             pos += 1
         return (out, cache) if return_cache else out

@@ -116,7 +116,7 @@ def append(model, state: MoNeState, ids: list[int]) -> MoNeState:
     wb = max(1, model.cfg.write_batch)
     for s0 in range(0, n_full, wb):
         s1 = min(n_full, s0 + wb)
-        seg = torch.tensor(buf[s0 * T:s1 * T]).view(1, s1 - s0, T)
+        seg = torch.tensor(buf[s0 * T:s1 * T], device=model.device).view(1, s1 - s0, T)
         layers = model.write(layers, seg, torch.ones_like(seg, dtype=torch.bool))
     return MoNeState(layers=[fw.detach() for fw in layers], pending=buf[n_full * T:],
                      n_segments=state.n_segments + n_full, n_tokens=state.n_tokens + len(ids),
@@ -132,5 +132,5 @@ def finalized(model, state: MoNeState) -> list[FastWeights]:
     """Fast weights to read from: the state with its incomplete tail written as a short segment."""
     if not state.pending:
         return state.layers
-    seg = torch.tensor(state.pending).view(1, 1, -1)
+    seg = torch.tensor(state.pending, device=model.device).view(1, 1, -1)
     return model.write(state.layers, seg, torch.ones_like(seg, dtype=torch.bool))

@@ -77,6 +77,7 @@ class MetaTrainConfig:
     diag_lengths: list[int] = field(default_factory=lambda: [1024, 4096])   # their context lengths
     diag_n: list[int] = field(default_factory=lambda: [8, 4])               # examples per length
     init_adapters: str = ""         # start from these MoNe parameters (a folder with mone_adapters.safetensors)
+    device: str = "cpu"             # cpu | cuda | cuda:N | auto (cuda when available)
     checkpoint_write: bool = True   # recompute each segment's write in the backward pass: the same
                                     # gradients with ~1/4 of the memory per segment, and faster on CPU
                                     # (bench/results/mone/write_memory.json); false: keep every activation
@@ -162,19 +163,30 @@ def make_batch(step: int, tc: MetaTrainConfig, tok):
     return seg.view(-1, S, T), msk.view(-1, S, T), q_ids, ans, S
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; anything else as torch names it (cuda asked for
+    but absent: a clear error before the model loads)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r}: no CUDA device here (use cpu or auto)")
+    return dev
+
+
 def meta_loss(model: MoNeModel, seg, msk, q_ids, ans, checkpoint: bool = False):
     """(mean answer-token CE, share of rows whose answer tokens are all argmax-correct). The LM head
     (49K x 576 on SmolLM2, a fifth of the query pass) runs on the answer positions only;
     ``meta_loss_reference`` is the full-logits form it is tested equal to. ``checkpoint``: recompute
     the write chain in the backward pass (MoNeModel.write), for long contexts."""
     fast = model.write(model.fresh(seg.shape[0]), seg, msk, checkpoint=checkpoint)
-    h, _ = model._run(q_ids, torch.arange(q_ids.shape[1]), fast=fast)
+    h, _ = model._run(q_ids, torch.arange(q_ids.shape[1], device=q_ids.device), fast=fast)
     a = ans[:, :-1]
     logits = model.base.lm_head(h[:, :-1][a])          # [answer tokens, vocab]
     tgt = q_ids[:, 1:][a]
     loss = F.cross_entropy(logits, tgt) if len(tgt) else logits.sum() * 0
     with torch.no_grad():
-        wrong = torch.zeros(a.shape[0], dtype=torch.long).index_add_(
+        wrong = torch.zeros(a.shape[0], dtype=torch.long, device=a.device).index_add_(
             0, a.nonzero()[:, 0], (logits.argmax(-1) != tgt).long())
     return loss, (wrong == 0).float().mean().item()
 
@@ -217,6 +229,7 @@ def lr_at(step: int, frac: float, tc: MetaTrainConfig) -> float:
 
 def answer_ce(model: MoNeModel, q_ids: torch.Tensor, a0: int, fast) -> float:
     """Teacher-forced mean CE (nats) of tokens a0.. of one query [1, n] reading ``fast`` (None: no memory)."""
+    q_ids = q_ids.to(model.device)
     logits = model.logits(q_ids, fast)[0, a0 - 1:-1]
     return float(F.cross_entropy(logits, q_ids[0, a0:]))
 
@@ -254,7 +267,7 @@ class MemoryDiagnostics:
                     parts.append(torch.tensor(ctx[:full * self.T]).view(full, self.T))
                 if tail:
                     parts.append(torch.tensor([tail]))
-                xs = [[x.to(cache_dtype) for x in model.segment_inputs(p)] for p in parts]
+                xs = [[x.to("cpu", cache_dtype) for x in model.segment_inputs(p.to(model.device))] for p in parts]
                 items.append({"xs": xs, "q": torch.tensor([q]), "a0": a0})
             self.cells[length] = items
         if cache_file is not None:
@@ -297,9 +310,10 @@ class MemoryDiagnostics:
         fast = model.fresh(1)
         for xs in item["xs"]:
             S, t = xs[0].shape[:2]
-            seg = torch.zeros(1, S, t, dtype=torch.long)   # shape only: the inputs are given
-            fast = model.write(fast, seg, torch.ones(1, S, t, dtype=torch.bool),
-                               xs=[x.to(torch.float32) for x in xs])
+            dev = model.device
+            seg = torch.zeros(1, S, t, dtype=torch.long, device=dev)   # shape only: the inputs are given
+            fast = model.write(fast, seg, torch.ones(1, S, t, dtype=torch.bool, device=dev),
+                               xs=[x.to(dev, torch.float32) for x in xs])
         return fast
 
     @torch.no_grad()
@@ -344,7 +358,8 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(base_dir)
-    model = MoNeModel.from_pretrained(base_dir, cfg=tc.mone)
+    dev = resolve_device(tc.device)
+    model = MoNeModel.from_pretrained(base_dir, cfg=tc.mone).to(dev)
     parent = None                   # the starting parameters' own record: the exported lineage
     if tc.init_adapters:
         from safetensors.torch import load_file
@@ -358,7 +373,7 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     step, elapsed, ema, history, diags = 0, 0.0, None, [], []
     ck = run_dir / "ckpt.pt"
     if ck.exists():
-        st = torch.load(ck, weights_only=True)   # tensors and plain containers only: no pickle
+        st = torch.load(ck, weights_only=True, map_location=dev)   # tensors and plain containers only: no pickle
         model.mone.load_state_dict(st["mone"])
         opt.load_state_dict(st["opt"])
         step, elapsed, ema, history = st["step"], st["elapsed"], st["ema"], st["history"]
@@ -413,6 +428,7 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     while step < tc.max_steps and time.time() - t0 < budget:
         frac = max((time.time() - t0) / budget, step / tc.max_steps)
         seg, msk, q_ids, ans, S = make_batch(step, tc, tok)
+        seg, msk, q_ids, ans = (t.to(dev) for t in (seg, msk, q_ids, ans))
         lr = lr_at(step, frac, tc)
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
