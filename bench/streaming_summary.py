@@ -48,15 +48,18 @@ def length_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def _frames(folder: Path) -> list:
+    """A sweep output's row tables: results.parquet (what the repository ships), then every finished cell."""
+    import pandas as pd
+    shipped = folder / "results.parquet"
+    cells = sorted(glob.glob(str(folder / "cells" / "**" / "*.parquet"), recursive=True))
+    return ([pd.read_parquet(shipped)] if shipped.is_file() else []) + [pd.read_parquet(f) for f in cells]
+
+
 def read_rows(ruler_dir: Path):
     """All rows: results.parquet, then the cells (a cell's rows win for the same measurement)."""
     import pandas as pd
-    frames = []
-    shipped = ruler_dir / "results.parquet"
-    if shipped.is_file():
-        frames.append(pd.read_parquet(shipped))
-    cells = sorted(glob.glob(str(ruler_dir / "cells" / "**" / "*.parquet"), recursive=True))
-    frames += [pd.read_parquet(f) for f in cells]
+    frames = _frames(ruler_dir)
     if not frames:
         return pd.DataFrame(columns=KEY + ["score"])
     df = pd.concat(frames, ignore_index=True)
@@ -71,12 +74,7 @@ def read_mone_rows(mone_dir: Path):
     import pandas as pd
 
     from notebank.pipeline.reporting.mone import best_rows
-    frames = []
-    shipped = mone_dir / "results.parquet"
-    if shipped.is_file():
-        frames.append(pd.read_parquet(shipped))
-    frames += [pd.read_parquet(f) for f in sorted(glob.glob(str(mone_dir / "cells" / "**" / "*.parquet"),
-                                                            recursive=True))]
+    frames = _frames(mone_dir)
     if not frames:
         return pd.DataFrame(columns=KEY + ["score"])
     df = pd.concat(frames, ignore_index=True)
