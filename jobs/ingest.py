@@ -22,7 +22,7 @@ import os
 
 if not __package__:   # run as a script from a checkout (or ray job submit): the repo root holds notebank/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from notebank.pipeline.cli import run_job  # noqa: E402
+from notebank.pipeline.cli import archive_user_errors, run_job  # noqa: E402
 
 
 def run(cfg) -> dict:
@@ -32,16 +32,7 @@ def run(cfg) -> dict:
 
 def main(argv=None) -> int:
     from notebank.pipeline.ingest import IngestJobConfig, committed_in_store
-    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=user_errors, committed=committed_in_store)
-
-
-def user_errors() -> tuple:
-    """Errors that are the user's (wrong model, missing input, refused output): one line, exit 2.
-    Imported after the config is checked (pipeline.archive loads torch)."""
-    from notebank.pipeline.archive import FingerprintMismatch, LayoutError
-    from notebank.pipeline.config import ConfigError
-    from notebank.pipeline.safety import OutputBusy, UnsafePath
-    return (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
+    return run_job(IngestJobConfig, __doc__.splitlines()[0], run, argv, errors=archive_user_errors, committed=committed_in_store)
 
 
 if __name__ == "__main__":

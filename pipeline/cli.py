@@ -120,6 +120,16 @@ def emit(summary: dict) -> None:
     print(render(summary), flush=True)
 
 
+def archive_user_errors() -> tuple:
+    """Errors of the archive jobs (ingest, query) that are the user's: wrong model, missing input,
+    refused output. One line, exit 2. Called by run_job after the config is checked, because
+    pipeline.archive loads torch."""
+    from notebank.pipeline.archive import FingerprintMismatch, LayoutError
+    from notebank.pipeline.config import ConfigError
+    from notebank.pipeline.safety import OutputBusy, UnsafePath
+    return (FingerprintMismatch, LayoutError, OutputBusy, UnsafePath, ConfigError, FileNotFoundError)
+
+
 def run_job(cls, description: str, run, argv=None, errors: tuple = (), committed=None) -> int:
     """The body of every jobs/*.py main(): typed config -> Ray setup -> run(cfg) -> cleanup ->
     one-line JSON summary. Exceptions in `errors` (user-facing: wrong model, missing input) print
