@@ -161,3 +161,40 @@ def test_mone_ablations_data_and_a_short_run():
         r = ab.run(variant, "curriculum", seed=0, steps=2, eval_every=2, batch=2)
         (c,) = r["curve"]
         assert c["step"] == 2 and c["T"] == 16 and 0 <= c["own_acc"] <= 1 and c["other_ce"] > 0
+
+
+
+def test_mone_rates_sees_a_layer_that_writes_the_needle_harder():
+    """With input-free rates every layer's needle/filler ratio is 1; a layer whose rate is made to
+    grow along the needle tokens' inputs shows up, and the others stay at 1."""
+    import torch
+
+    from lab.probes.mone_rates import rates
+    from nbcore.mone.model import MoNeConfig, MoNeModel
+    from nbcore.tasks import ruler
+    from nbcore.tasks.tokenizer import load_tokenizer
+    tiny = "models/tiny-qwen2"
+    model = MoNeModel.from_pretrained(tiny, cfg=MoNeConfig(segment_len=64, mem_heads=2, lora_rank=4))
+    tok = load_tokenizer(tiny)
+    with torch.no_grad():
+        for ml in model.mone:
+            ml.lr_proj.weight.zero_()
+    flat = rates(model, tok, length=512, n=2)
+    assert len(flat["needle_over_filler_by_layer"]) == model.n_layers
+    assert flat["needle_over_filler_by_layer"] == [1.0] * model.n_layers
+    # layer 1's rate: softplus(w . x + b), w along (mean needle input - mean filler input)
+    ex = ruler.generate("niah_single_1", 512, 0, tok, seed=0, split="test")
+    a, b = ex["needle_spans"][0]
+    pre = len(tok(ex["context"][:a], add_special_tokens=False)["input_ids"])
+    nd = len(tok(ex["context"][a:b], add_special_tokens=False)["input_ids"])
+    ids = tok(ex["context"], add_special_tokens=False)["input_ids"]
+    s0 = min(pre // 64 * 64, len(ids) - 64)
+    x = model.segment_inputs(torch.tensor([ids[s0:s0 + 64]]))[1][0]
+    m = torch.zeros(64, dtype=torch.bool)
+    m[pre - s0:pre - s0 + nd] = True
+    d = x[m].mean(0) - x[~m].mean(0)
+    with torch.no_grad():
+        model.mone[1].lr_proj.weight.copy_((4 * d / d.norm() ** 2).expand_as(model.mone[1].lr_proj.weight))
+    skewed = rates(model, tok, length=512, n=1)["needle_over_filler_by_layer"]
+    assert skewed[1] > 3
+    assert [r for i, r in enumerate(skewed) if i != 1] == [1.0] * (model.n_layers - 1)
