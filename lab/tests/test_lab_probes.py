@@ -163,7 +163,6 @@ def test_mone_ablations_data_and_a_short_run():
         assert c["step"] == 2 and c["T"] == 16 and 0 <= c["own_acc"] <= 1 and c["other_ce"] > 0
 
 
-
 def test_mone_rates_sees_a_layer_that_writes_the_needle_harder():
     """With input-free rates every layer's needle/filler ratio is 1; a layer whose rate is made to
     grow along the needle tokens' inputs shows up, and the others stay at 1."""
