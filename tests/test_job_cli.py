@@ -3,6 +3,7 @@ bad input exits 2 with one line, before Ray starts or a model loads, leaving no 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -121,6 +122,16 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     second = json.loads((tmp_path / "mone2" / "mone_config.json").read_text())
     assert (first["steps"], first["steps_total"], first["parent"]) == (2, 2, None)
     assert (second["steps"], second["steps_total"]) == (1, 3) and second["parent"] == first
+    # the init folder now holds the continuation's own export (shipped while it ran); resuming it
+    # keeps the lineage it started from instead of re-reading the folder
+    shutil.copytree(tmp_path / "mone2", tmp_path / "mone", dirs_exist_ok=True)
+    p, _ = _run("jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=2",
+                "--set", f"out={tmp_path / 'mone3'}", "--set", f"run_dir={tmp_path / 'run2'}",
+                "--set", "train.batch_size=1", "--set", "train.max_segments=2",
+                "--set", f"train.init_adapters={tmp_path / 'mone'}", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    third = json.loads((tmp_path / "mone3" / "mone_config.json").read_text())
+    assert (third["steps"], third["steps_total"]) == (2, 4) and third["parent"] == first
 
 
 def test_relative_paths_are_made_absolute_for_an_existing_cluster():

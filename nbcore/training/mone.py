@@ -378,6 +378,11 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         opt.load_state_dict(st["opt"])
         step, elapsed, ema, history = st["step"], st["elapsed"], st["ema"], st["history"]
         diags = st.get("diagnostics", [])
+        if "parent" in st:
+            # the lineage as it was when the run started: init_adapters may since hold other parameters
+            # (e.g. an export of this very run), which the checkpoint's parameters above already replaced
+            parent = json.loads(st["parent"])
+            parent_steps = int((parent or {}).get("steps_total", (parent or {}).get("steps")) or 0)
         log(f"resumed from {ck} at step {step} ({elapsed:.0f}s)")
     n_train = sum(p.numel() for p in params)
     n_base = sum(p.numel() for p in model.base.parameters())
@@ -407,7 +412,8 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
     def save():
         tmp = run_dir / "ckpt.pt.tmp"
         torch.save({"mone": model.mone.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": time.time() - t0, "ema": ema, "history": history, "diagnostics": diags}, tmp)
+                    "elapsed": time.time() - t0, "ema": ema, "history": history, "diagnostics": diags,
+                    "parent": json.dumps(parent)}, tmp)
         tmp.replace(ck)   # a kill during the write leaves the previous checkpoint intact
         model.save_adapters(run_dir / "adapters", meta())
         (run_dir / "history.json").write_text(json.dumps({"train": history, "diagnostics": diags}))
