@@ -321,6 +321,26 @@ def test_sweep_runner_on_a_tiny_streaming_model(tmp_path):
     assert sweep(args) == []                                       # resumable: the finished cell is skipped
     s = summary(["--ruler", f"{tmp_path}/ruler", "--out", str(tmp_path)])
     assert set(s) == {f"rand-stream/{m}/niah_single_2/1K" for m in ("plain", "nb-tf-top2-reset", "nb-oracle-top2")}
+    # two processes on the same cells: --reverse starts from the last one, and a cell that the other
+    # process finished meanwhile is skipped, not run again
+    import notebank.pipeline.evaluate as ev
+    more = [a if a != "n_examples=1" else "n_examples=3" for a in args]
+    real, ran = ev.run_cell, []
+
+    def run_and_meanwhile_the_other_process(cell):
+        ran.append(Path(cell["path"]).name)
+        r = real(cell)
+        if len(ran) == 1:                        # the forward process finishes example 1 meanwhile
+            ev.run_cell = real
+            assert [Path(x["path"]).name for x in sweep(more + ["--max-cells", "1"])] == ["0001.parquet"]
+        return r
+    ev.run_cell = run_and_meanwhile_the_other_process
+    try:
+        res = sweep(more + ["--reverse"])
+    finally:
+        ev.run_cell = real
+    assert ran == ["0002.parquet"] and [Path(r["path"]).name for r in res] == ["0002.parquet"]
+    assert pd.read_parquet(Path(res[0]["path"]).with_name("0001.parquet")).shape[0] == 3
 
 
 def test_ingest_over_several_pieces_per_block(nbb, monkeypatch):
