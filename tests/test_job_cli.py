@@ -105,32 +105,25 @@ def test_train_mone_runs_from_the_typed_config(tmp_path):
     assert p.returncode == 2 and "no MoNe parameters" in p.stderr
     p, _ = _run("jobs/train_mone.py", "--set", "action=eval")      # the serial eval loop is gone: the sweep job
     assert p.returncode == 2 and "jobs/evaluate.py -c configs/eval_mone.yaml" in p.stderr
-    args = ["jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=2",
-            "--set", f"out={tmp_path / 'mone'}", "--set", f"run_dir={tmp_path / 'run'}",
-            "--set", "train.batch_size=1", "--set", "train.max_segments=2"]
-    p, _ = _run(*args, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+
+    def train(steps: int, out: str, run: str, init: str = "") -> dict:
+        extra = ["--set", f"train.init_adapters={tmp_path / init}"] if init else []
+        p, _ = _run("jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", f"train.max_steps={steps}",
+                    "--set", f"out={tmp_path / out}", "--set", f"run_dir={tmp_path / run}",
+                    "--set", "train.batch_size=1", "--set", "train.max_segments=2", *extra, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads((tmp_path / out / "mone_config.json").read_text())
+    first = train(2, "mone", "run")
     assert (tmp_path / "mone" / "mone_adapters.safetensors").is_file()
     assert (tmp_path / "run").is_dir() and any((tmp_path / "run").iterdir())
-    # a continuation from those parameters records them as its parent, and the steps behind it
-    p, _ = _run("jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=1",
-                "--set", f"out={tmp_path / 'mone2'}", "--set", f"run_dir={tmp_path / 'run2'}",
-                "--set", "train.batch_size=1", "--set", "train.max_segments=2",
-                "--set", f"train.init_adapters={tmp_path / 'mone'}", timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    first = json.loads((tmp_path / "mone" / "mone_config.json").read_text())
-    second = json.loads((tmp_path / "mone2" / "mone_config.json").read_text())
     assert (first["steps"], first["steps_total"], first["parent"]) == (2, 2, None)
+    # a continuation from those parameters records them as its parent, and the steps behind it
+    second = train(1, "mone2", "run2", init="mone")
     assert (second["steps"], second["steps_total"]) == (1, 3) and second["parent"] == first
     # the init folder now holds the continuation's own export (shipped while it ran); resuming it
     # keeps the lineage it started from instead of re-reading the folder
     shutil.copytree(tmp_path / "mone2", tmp_path / "mone", dirs_exist_ok=True)
-    p, _ = _run("jobs/train_mone.py", "-c", "configs/train_mone.yaml", "--set", "train.max_steps=2",
-                "--set", f"out={tmp_path / 'mone3'}", "--set", f"run_dir={tmp_path / 'run2'}",
-                "--set", "train.batch_size=1", "--set", "train.max_segments=2",
-                "--set", f"train.init_adapters={tmp_path / 'mone'}", timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    third = json.loads((tmp_path / "mone3" / "mone_config.json").read_text())
+    third = train(2, "mone3", "run2", init="mone")
     assert (third["steps"], third["steps_total"]) == (2, 4) and third["parent"] == first
 
 
