@@ -367,7 +367,6 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
         log(f"initial MoNe parameters from {tc.init_adapters}")
         rec = Path(tc.init_adapters) / "mone_config.json"
         parent = json.loads(rec.read_text()) if rec.is_file() else {"steps": None, "note": "no mone_config.json"}
-    parent_steps = int((parent or {}).get("steps_total", (parent or {}).get("steps")) or 0)
     params = model.trainable_parameters()
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     step, elapsed, ema, history, diags = 0, 0.0, None, [], []
@@ -382,8 +381,8 @@ def train(base_dir: str | Path, out_dir: str | Path, run_dir: str | Path, tc: Me
             # the lineage as it was when the run started: init_adapters may since hold other parameters
             # (e.g. an export of this very run), which the checkpoint's parameters above already replaced
             parent = json.loads(st["parent"])
-            parent_steps = int((parent or {}).get("steps_total", (parent or {}).get("steps")) or 0)
         log(f"resumed from {ck} at step {step} ({elapsed:.0f}s)")
+    parent_steps = int((parent or {}).get("steps_total", (parent or {}).get("steps")) or 0)
     n_train = sum(p.numel() for p in params)
     n_base = sum(p.numel() for p in model.base.parameters())
     fast_per_layer = 3 * tc.mone.mem_heads * model.Fw * model.D
